@@ -1,0 +1,1 @@
+"""The coordinator: public API, session state and the speculation loop."""

@@ -1,0 +1,102 @@
+"""Async clients of the draft and target services, speaking domain types."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec.errors import CacheMiss, SpecdecError
+from specdec.rpc.convert import dist_from_pb, dist_to_pb, model_info_from_pb, sampling_to_pb
+from specdec.rpc.server import channel_options
+from specdec.rpc.status import from_rpc_error
+from specdec.types import ModelDescription, Proposal, SamplingParams, SparseDist, Verdict
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+class ServiceClient:
+    """A channel to one service replica; failed calls become domain errors."""
+
+    kind = "service"
+
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} service at {self.address}"
+
+    async def call(self, method, request, session_id: str = "", timeout_s: float | None = None):
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc_error(exc, self.name)
+            if isinstance(error, CacheMiss):
+                raise CacheMiss(session_id, error.held, getattr(request, "prefix_len", -1)) from exc
+            raise error from exc
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class DraftClient(ServiceClient):
+    kind = "draft"
+
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int):
+        super().__init__(address, timeout_s, max_message_bytes)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+
+    async def info(self, timeout_s: float) -> ModelDescription:
+        response = await self.call(self.stub.GetModelInfo, draft_pb2.DraftServiceGetModelInfoRequest(),
+                                   timeout_s=timeout_s)
+        return model_info_from_pb(response.info)
+
+    async def propose(self, session_id: str, prefix_len: int, new_tokens: list[int], gamma: int,
+                      params: SamplingParams, seed: int) -> Proposal:
+        request = draft_pb2.ProposeRequest(
+            session_id=session_id, prefix_len=prefix_len, new_tokens=new_tokens,
+            num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed,
+        )
+        response = await self.call(self.stub.Propose, request, session_id)
+        return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
+                        response.cached_len)
+
+    async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
+        request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
+        return (await self.call(self.stub.Release, request, session_id, timeout_s)).released
+
+
+class TargetClient(ServiceClient):
+    kind = "target"
+
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int):
+        super().__init__(address, timeout_s, max_message_bytes)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    async def info(self, timeout_s: float) -> ModelDescription:
+        response = await self.call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(),
+                                   timeout_s=timeout_s)
+        return model_info_from_pb(response.info)
+
+    async def verify(self, session_id: str, prefix_len: int, new_tokens: list[int], drafts: list[int],
+                     draft_probs: list[SparseDist], params: SamplingParams, seed: int) -> Verdict:
+        request = target_pb2.VerifyRequest(
+            session_id=session_id, prefix_len=prefix_len, new_tokens=new_tokens, draft_tokens=drafts,
+            draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
+            sampling=sampling_to_pb(params), seed=seed,
+        )
+        response = await self.call(self.stub.Verify, request, session_id)
+        return Verdict(response.num_accepted, response.next_token, response.is_bonus,
+                       list(response.accept_probs), response.cached_len)
+
+    async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
+        request = target_pb2.TargetServiceReleaseRequest(session_id=session_id)
+        return (await self.call(self.stub.Release, request, session_id, timeout_s)).released
+
+
+async def release_quietly(client: ServiceClient, session_id: str) -> None:
+    """Best effort: a service that is down holds nothing worth releasing."""
+    try:
+        await client.release(session_id, timeout_s=2.0)
+    except SpecdecError:
+        pass

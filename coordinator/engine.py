@@ -1,0 +1,300 @@
+"""The speculation loop: propose, verify, commit, stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from specdec.config import CoordinatorConfig
+from specdec.errors import CacheMiss, FailedPrecondition, InvalidArgument
+from specdec.rng import RequestRng
+from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
+
+from coordinator.clients import DraftClient, TargetClient
+from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
+from coordinator.stats import GenerationStats
+from coordinator.store import SessionRecord, SessionStore
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+
+FINISH_EOS = "eos"
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_CONTEXT = "context_length"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A Generate call as a domain object. Exactly one input (or none when continuing)."""
+
+    session_id: str = ""
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    num_speculative_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Chunk:
+    """One streamed piece: new text and tokens; the last one has finish_reason and stats."""
+
+    session_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class _Run:
+    """State of one request while it runs."""
+
+    record: SessionRecord
+    stats: GenerationStats
+    draft_calls: int = 0
+    target_calls: int = 0
+
+
+class Engine:
+    def __init__(self, config: CoordinatorConfig, store: SessionStore, draft: DraftClient,
+                 target: TargetClient, tokenizer: Any, draft_info: ModelDescription,
+                 target_info: ModelDescription):
+        self.config = config
+        self.store = store
+        self.draft = draft
+        self.target = target
+        self.tokenizer = tokenizer
+        self.draft_info = draft_info
+        self.target_info = target_info
+        self.eos_ids = frozenset(target_info.eos_token_ids)
+        self.vocab_limit = min(draft_info.vocab_size, target_info.vocab_size)
+        self.max_gamma = min(config.max_num_speculative_tokens, draft_info.max_speculative_tokens,
+                             target_info.max_speculative_tokens)
+        self.context_length = target_info.max_context_length
+        self.max_prompt_tokens = min(config.max_prompt_tokens or self.context_length - 1,
+                                     self.context_length - 1)
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def _limits(self, request: GenerationRequest) -> tuple[int, int]:
+        """(max_new_tokens, γ) after defaults, validated."""
+        request.params.validate()
+        max_new = request.max_new_tokens
+        if max_new is None:
+            max_new = self.config.default_max_new_tokens
+        if not 1 <= max_new <= self.config.max_new_tokens_limit:
+            raise InvalidArgument(
+                f"max_new_tokens must be in [1, {self.config.max_new_tokens_limit}], got {max_new}")
+        gamma = request.num_speculative_tokens
+        if gamma is None:
+            gamma = min(self.config.default_num_speculative_tokens, self.max_gamma)
+        if not 0 <= gamma <= self.max_gamma:
+            raise InvalidArgument(
+                f"num_speculative_tokens must be in [0, {self.max_gamma}] (0 disables speculation), "
+                f"got {gamma}")
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+        return max_new, gamma
+
+    def _encode(self, request: GenerationRequest, continuing: bool) -> list[int]:
+        """The request's input as token ids (possibly empty when continuing)."""
+        if request.prompt is not None:
+            if not request.prompt and not continuing:
+                raise InvalidArgument("prompt is empty: give some text, token_ids or messages")
+            return list(self.tokenizer(request.prompt, add_special_tokens=not continuing)["input_ids"])
+        if request.messages is not None:
+            if not request.messages:
+                raise InvalidArgument("messages is empty: give at least one chat message")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidArgument("this model's tokenizer has no chat template: send a prompt instead")
+            for role, _ in request.messages:
+                if not role:
+                    raise InvalidArgument("every chat message needs a role (system, user, assistant)")
+            text = self.tokenizer.apply_chat_template(
+                [{"role": r, "content": c} for r, c in request.messages],
+                tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if request.token_ids is not None:
+            ids = list(request.token_ids)
+            if not ids and not continuing:
+                raise InvalidArgument("token_ids is empty: give at least one token")
+            bad = [t for t in ids if not 0 <= t < self.vocab_limit]
+            if bad:
+                raise InvalidArgument(f"token_ids outside the vocabulary [0, {self.vocab_limit}): {bad[:5]}")
+            return ids
+        if not continuing:
+            raise InvalidArgument("no input: set prompt, token_ids or messages")
+        return []
+
+    def _check_length(self, committed: int, added: int) -> None:
+        if added > self.max_prompt_tokens:
+            raise InvalidArgument(
+                f"prompt is {added} tokens; the limit is {self.max_prompt_tokens} "
+                f"(model context {self.context_length})")
+        if committed + added >= self.context_length:
+            raise InvalidArgument(
+                f"session holds {committed} tokens; adding {added} leaves no room in the model "
+                f"context of {self.context_length} tokens: start a new session")
+
+    async def _open(self, request: GenerationRequest) -> tuple[SessionRecord, list[int]]:
+        """Lease (or create) the session and encode the input; nothing is committed yet."""
+        if request.session_id:
+            record = await self.store.acquire(request.session_id)
+            try:
+                added = self._encode(request, continuing=bool(record.token_ids))
+                self._check_length(len(record.token_ids), len(added))
+            except BaseException:
+                await self.store.release(record.session_id)
+                raise
+            return record, added
+        added = self._encode(request, continuing=False)
+        self._check_length(0, len(added))
+        created = await self.store.create()
+        return await self.store.acquire(created.session_id), added
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        max_new, gamma = self._limits(request)
+        record, added = await self._open(request)
+        try:
+            async for chunk in self._run(request, record, added, max_new, gamma):
+                yield chunk
+        finally:
+            await self.store.release(record.session_id)
+
+    async def _run(self, request: GenerationRequest, record: SessionRecord, added: list[int],
+                   max_new: int, gamma: int) -> AsyncIterator[Chunk]:
+        started = time.perf_counter()
+        run = _Run(record, GenerationStats(prompt_tokens=len(added)))
+        record.token_ids.extend(added)
+        record.requests += 1
+        self._forget_other_replicas(record)
+        await self.store.save(record)
+        rng = RequestRng(request.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, record.token_ids)
+        stops = StopStrings(request.stop)
+        text, streamed, searched = "", 0, 0
+        generated: list[int] = []
+        finish: str | None = None
+        while finish is None:
+            base = len(record.token_ids)
+            room = self.context_length - base
+            if room <= 0:
+                finish = FINISH_CONTEXT
+                round_tokens: list[int] = []
+            else:
+                g = max(0, min(gamma, max_new - len(generated) - 1, room - 1,
+                               self.draft_info.max_context_length - base))
+                verdict, drafts = await self._round(run, g, request.params, rng)
+                round_tokens = []
+                for token in verdict.committed(drafts):
+                    round_tokens.append(token)
+                    generated.append(token)
+                    if token in self.eos_ids and not request.ignore_eos:
+                        finish = FINISH_EOS
+                        break
+                    text += detok.add(token)
+                    hit = stops.find(text, searched)
+                    if hit >= 0:
+                        text, finish = text[:hit], FINISH_STOP
+                        break
+                    searched = len(text)
+                    if len(generated) >= max_new:
+                        finish = FINISH_LENGTH
+                        break
+                record.token_ids.extend(round_tokens)
+                record.draft_held = min(record.draft_held, len(record.token_ids))
+                record.target_held = min(record.target_held, len(record.token_ids))
+                run.stats.generated_tokens = len(generated)
+                await self.store.save(record)
+            if finish is None:
+                end = stops.safe_length(text)
+            else:
+                if finish != FINISH_STOP:
+                    text += detok.flush()
+                end = len(text)
+            chunk = Chunk(record.session_id, text[streamed:end] if end > streamed else "", round_tokens)
+            streamed = max(streamed, end)
+            if finish is not None:
+                run.stats.coordinator_seconds = max(
+                    0.0, time.perf_counter() - started - run.stats.draft_seconds - run.stats.target_seconds)
+                chunk.finish_reason, chunk.stats = finish, run.stats
+                record.stats = GenerationStats.from_dict(record.stats).merged(run.stats).to_dict()
+                await self.store.save(record)
+            yield chunk
+
+    def _forget_other_replicas(self, record: SessionRecord) -> None:
+        """KV held by another replica (or none recorded) is worth nothing here."""
+        if record.draft_address != self.draft.address:
+            record.draft_address, record.draft_held = self.draft.address, 0
+        if record.target_address != self.target.address:
+            record.target_address, record.target_held = self.target.address, 0
+
+    async def _round(self, run: _Run, gamma: int, params: SamplingParams,
+                     rng: RequestRng) -> tuple[Verdict, list[int]]:
+        """One round: γ drafts (none when γ is 0), one verification; updates held lengths."""
+        record, stats = run.record, run.stats
+        base = len(record.token_ids)
+        draft_seed, target_seed = rng.next_seed(), rng.next_seed()
+        proposal = Proposal([], [])
+        if gamma > 0:
+            t0 = time.perf_counter()
+            proposal = await self._propose(run, gamma, params, draft_seed)
+            stats.draft_seconds += time.perf_counter() - t0
+        drafts = proposal.draft_tokens
+        t0 = time.perf_counter()
+        verdict = await self._verify(run, drafts, proposal, params, target_seed)
+        stats.target_seconds += time.perf_counter() - t0
+        stats.record_round(len(drafts), verdict.num_accepted)
+        if gamma > 0:  # the draft fed d1..dγ-1; those the target accepted are committed
+            record.draft_held = base + min(verdict.num_accepted, gamma - 1)
+        record.target_held = base + verdict.num_accepted
+        return verdict, drafts
+
+    async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
+        record = run.record
+        while True:
+            prefix = record.draft_held
+            new_tokens = record.token_ids[prefix:]
+            if run.draft_calls == 0 or prefix == 0:
+                run.stats.draft_prefill_tokens += len(new_tokens)
+            run.draft_calls += 1
+            try:
+                return await self.draft.propose(record.session_id, prefix, new_tokens, gamma, params, seed)
+            except CacheMiss as miss:
+                self._after_miss(run, miss, prefix, "draft")
+                record.draft_held = 0
+
+    async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
+                      seed: int) -> Verdict:
+        record = run.record
+        while True:
+            prefix = record.target_held
+            new_tokens = record.token_ids[prefix:]
+            if run.target_calls == 0 or prefix == 0:
+                run.stats.target_prefill_tokens += len(new_tokens)
+            run.target_calls += 1
+            try:
+                return await self.target.verify(record.session_id, prefix, new_tokens, drafts,
+                                                proposal.draft_probs, params, seed)
+            except CacheMiss as miss:
+                self._after_miss(run, miss, prefix, "target")
+                record.target_held = 0
+
+    @staticmethod
+    def _after_miss(run: _Run, miss: CacheMiss, prefix: int, service: str) -> None:
+        if prefix == 0:
+            raise FailedPrecondition(f"{service} service reported a cache miss at prefix_len 0: {miss}")
+        run.stats.cache_misses += 1
+        log.info("%s cache miss for session %s (held %d, assumed %d): resending history",
+                 service, run.record.session_id, miss.held, prefix)

@@ -1,0 +1,67 @@
+"""Per-request and per-session counters (vLLM's vocabulary)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    coordinator_seconds: float = 0.0
+    draft_prefill_tokens: int = 0
+    target_prefill_tokens: int = 0
+    cache_misses: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    def record_round(self, gamma: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += gamma
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < accepted:
+            self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def merged(self, other: "GenerationStats") -> "GenerationStats":
+        """Sum of two stats (for a session's cumulative view)."""
+        out = GenerationStats()
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                n = max(len(a), len(b))
+                setattr(out, f.name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
+                                      for i in range(n)])
+            else:
+                setattr(out, f.name, a + b)
+        return out
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["acceptance_rate"] = self.acceptance_rate
+        data["tokens_per_round"] = self.tokens_per_round
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GenerationStats":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def summary(self) -> str:
+        return (f"rounds={self.rounds} generated={self.generated_tokens} drafted={self.draft_tokens} "
+                f"accepted={self.accepted_tokens} acceptance={self.acceptance_rate:.3f} "
+                f"tokens/round={self.tokens_per_round:.2f}")

@@ -1,0 +1,1 @@
+"""The draft tier: proposes γ tokens per round from a small model."""

@@ -1,0 +1,134 @@
+"""One frozen config dataclass per service, read once from CLI flags and env.
+
+Every field is a flag (``--max-sessions``) with an environment equivalent
+(``SPECDEC_<SERVICE>_MAX_SESSIONS``); a flag wins over the env, the env over the
+default. The object is built once in the CLI and passed down: no globals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, TypeVar
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+C = TypeVar("C")
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its help text (and optional choices)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """What the draft and the target service share."""
+
+    model: str = opt("", "model directory, hub id or .gguf file (required)")
+    dtype: str = opt("bfloat16", "weight dtype", DTYPES)
+    device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ...")
+    host: str = opt("127.0.0.1", "address to bind; 0.0.0.0 in a container")
+    port: int = opt(0, "port to listen on (0 = the service default)")
+    max_sessions: int = opt(256, "most sessions whose KV cache is kept (LRU beyond)")
+    kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond)")
+    max_speculative_tokens: int = opt(16, "most draft tokens per call")
+    max_workers: int = opt(16, "gRPC worker threads")
+    max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")
+    trust_remote_code: bool = opt(False, "allow model code from the checkpoint (hub models only)")
+
+
+@dataclass(frozen=True)
+class DraftConfig(ModelServiceConfig):
+    """Config of the draft service."""
+
+    proposal_top_k: int = opt(32, "the draft samples from its top-K truncated distribution (K)")
+
+
+@dataclass(frozen=True)
+class TargetConfig(ModelServiceConfig):
+    """Config of the target service."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Config of the coordinator."""
+
+    draft: str = opt("127.0.0.1:50052", "draft service address host:port")
+    target: str = opt("127.0.0.1:50053", "target service address host:port")
+    host: str = opt("127.0.0.1", "address to bind; 0.0.0.0 in a container")
+    port: int = opt(50051, "port to listen on")
+    tokenizer: str = opt("", "tokenizer directory or hub id (default: the target's model id)")
+    session_store: str = opt("memory", "session store: memory")
+    default_max_new_tokens: int = opt(128, "max_new_tokens when a request leaves it unset")
+    max_new_tokens_limit: int = opt(4096, "largest max_new_tokens a request may ask for")
+    default_num_speculative_tokens: int = opt(4, "γ when a request leaves it unset")
+    max_num_speculative_tokens: int = opt(16, "largest γ a request may ask for")
+    max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")
+    rpc_timeout_s: float = opt(60.0, "deadline of each call to the draft / target service")
+    max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(prefix: str, name: str) -> str:
+    return f"SPECDEC_{prefix.upper()}_{name.upper()}"
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _convert(kind: type, text: str) -> Any:
+    if kind is bool:
+        return _parse_bool(text)
+    return kind(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str) -> None:
+    """Add one flag per field of `cls`; defaults are resolved later (env, then default)."""
+    for f in dataclasses.fields(cls):
+        env = env_name(prefix, f.name)
+        help_text = f"{f.metadata.get('help', '')} (env {env}; default {f.default!r})"
+        if f.type in ("bool", bool):
+            parser.add_argument(_flag(f.name), dest=f.name, default=None,
+                                action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, default=None,
+                                choices=f.metadata.get("choices"), help=help_text)
+
+
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def from_sources(cls: type[C], prefix: str, args: Mapping[str, Any] | None = None,
+                 env: Mapping[str, str] | None = None) -> C:
+    """Build `cls` from parsed flags (None = not given), then env, then defaults."""
+    args = args or {}
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        kind = _TYPES[f.type] if isinstance(f.type, str) else f.type
+        raw = args.get(f.name)
+        source = _flag(f.name)
+        if raw is None and env_name(prefix, f.name) in env:
+            raw, source = env[env_name(prefix, f.name)], env_name(prefix, f.name)
+        if raw is None:
+            continue
+        try:
+            values[f.name] = raw if isinstance(raw, bool) else _convert(kind, str(raw))
+        except ValueError as exc:
+            raise SystemExit(f"invalid value for {source}: {raw!r} ({exc})") from None
+        choices = f.metadata.get("choices")
+        if choices and values[f.name] not in choices:
+            raise SystemExit(f"invalid value for {source}: {raw!r} (choose from {', '.join(choices)})")
+    return cls(**values)

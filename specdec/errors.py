@@ -1,0 +1,40 @@
+"""Domain errors. Each maps to one gRPC status code in specdec.rpc.status (one place)."""
+
+from __future__ import annotations
+
+
+class SpecdecError(Exception):
+    """Base class; the message is what the user sees."""
+
+
+class InvalidArgument(SpecdecError):
+    """The request is malformed or out of range."""
+
+
+class NotFound(SpecdecError):
+    """A named entity (session) does not exist."""
+
+
+class FailedPrecondition(SpecdecError):
+    """The request is valid but the system is not in a state to serve it."""
+
+
+class CacheMiss(FailedPrecondition):
+    """A service does not hold the prefix the request assumes; resend from prefix_len 0."""
+
+    def __init__(self, session_id: str, held: int, assumed: int):
+        self.session_id = session_id
+        self.held = held
+        self.assumed = assumed
+        super().__init__(
+            f"cache miss for session {session_id!r}: this service holds {held} tokens but the "
+            f"request assumes prefix_len={assumed}; resend with prefix_len=0 and the full history"
+        )
+
+
+class ResourceExhausted(SpecdecError):
+    """A limit was reached; retry later or with a smaller request."""
+
+
+class Unavailable(SpecdecError):
+    """A dependency (service, store) cannot be reached."""

@@ -1,0 +1,58 @@
+"""Protobuf <-> domain conversion for the types the services share."""
+
+from __future__ import annotations
+
+from specdec.types import ModelDescription, SamplingParams, SparseDist
+from specdec.v1 import common_pb2
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take their defaults; the result is validated."""
+    params = SamplingParams(
+        temperature=pb.temperature if pb.HasField("temperature") else SamplingParams.temperature,
+        top_k=pb.top_k if pb.HasField("top_k") else 0,
+        top_p=pb.top_p if pb.HasField("top_p") else SamplingParams.top_p,
+    )
+    params.validate()
+    return params
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                     top_p=params.top_p)
+
+
+def dist_from_pb(pb: common_pb2.SparseDistribution) -> SparseDist:
+    return SparseDist(tuple(pb.token_ids), tuple(pb.probs))
+
+
+def dist_to_pb(dist: SparseDist) -> common_pb2.SparseDistribution:
+    return common_pb2.SparseDistribution(token_ids=dist.token_ids, probs=dist.probs)
+
+
+def model_info_to_pb(desc: ModelDescription) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=desc.model_id,
+        vocab_size=desc.vocab_size,
+        tokenizer_fingerprint=desc.tokenizer_fingerprint,
+        tokenizer_vocab_size=desc.tokenizer_vocab_size,
+        eos_token_ids=desc.eos_token_ids,
+        max_context_length=desc.max_context_length,
+        dtype=desc.dtype,
+        device=desc.device,
+        max_speculative_tokens=desc.max_speculative_tokens,
+    )
+
+
+def model_info_from_pb(pb: common_pb2.ModelInfo) -> ModelDescription:
+    return ModelDescription(
+        model_id=pb.model_id,
+        vocab_size=pb.vocab_size,
+        tokenizer_fingerprint=pb.tokenizer_fingerprint,
+        tokenizer_vocab_size=pb.tokenizer_vocab_size,
+        eos_token_ids=tuple(pb.eos_token_ids),
+        max_context_length=pb.max_context_length,
+        dtype=pb.dtype,
+        device=pb.device,
+        max_speculative_tokens=pb.max_speculative_tokens,
+    )

@@ -1,0 +1,111 @@
+"""Load any HF causal LM and its tokenizer: a directory, a hub id or a .gguf file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ModelLoadError(RuntimeError):
+    """The model or tokenizer could not be loaded; the message says why and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel in eval mode on `device`
+    tokenizer: Any  # a transformers tokenizer
+    model_id: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _source(spec: str) -> tuple[str, dict[str, Any]]:
+    """(path or hub id, extra from_pretrained kwargs) for a model spec."""
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {spec}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.exists():
+        return str(path), {}
+    return spec, {}
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of a model spec (directory, hub id or .gguf file)."""
+    from transformers import AutoTokenizer
+
+    source, extra = _source(spec)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **extra)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {exc}") from exc
+
+
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load model + tokenizer through transformers' Auto classes."""
+    from transformers import AutoModelForCausalLM
+
+    if not spec:
+        raise ModelLoadError("no model given: pass --model DIR|HUB_ID|FILE.gguf")
+    if dtype not in TORCH_DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(TORCH_DTYPES)}")
+    source, extra = _source(spec)
+    torch_dtype = TORCH_DTYPES[dtype]
+    tokenizer = load_tokenizer(spec, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
+    target_device = torch.device(device)
+    model = model.to(device=target_device, dtype=torch_dtype).eval()
+    log.info("loaded %s (%s on %s)", spec, dtype, target_device)
+    return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 over the vocabulary (token -> id) and the special tokens."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends generation: the generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (config_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def max_context_length(model: Any, tokenizer: Any) -> int:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return int(min(tokenizer.model_max_length, 1 << 20))

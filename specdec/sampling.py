@@ -1,0 +1,69 @@
+"""The sampling warp and the draws, identical for every service.
+
+All maths runs in float32 whatever the model dtype, so the draft's q and the
+target's p are computed the same way everywhere (DESIGN.md, rules).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.types import SamplingParams
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, then top-k, then top-p. Masked entries become -inf.
+
+    logits: [n, vocab] (any float dtype) -> [n, vocab] float32.
+    Not used for greedy requests (temperature 0): see `target_probs`.
+    """
+    logits = logits.float() / params.temperature  # [n, vocab]
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, vocab]
+        drop_sorted = mass_before >= params.top_p  # the first token is always kept
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from. logits [n, vocab] -> probs [n, vocab] float32.
+
+    Greedy requests get a one-hot vector on the argmax (first index on ties,
+    as `torch.argmax` and transformers' greedy search do).
+    """
+    if params.greedy:
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.softmax(warp_logits(logits, params), dim=-1)
+
+
+def truncate_top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the k most likely entries of each row and renormalise.
+
+    probs [n, vocab] -> (ids [n, k'] int64, probs [n, k'] float32), most likely
+    first, k' = min(k, vocab). Zero-probability entries keep probability 0.
+    """
+    k = min(k, probs.shape[-1])
+    top = torch.topk(probs, k, dim=-1)
+    kept = top.values.float()  # [n, k]
+    return top.indices, kept / kept.sum(dim=-1, keepdim=True)
+
+
+def densify(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Sparse rows back to dense. ids/probs [n, k] -> [n, vocab]; ids >= vocab are dropped."""
+    dense = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.float32, device=probs.device)
+    ids = ids.clamp(max=vocab).masked_fill(ids < 0, vocab)  # out-of-range ids land in a spill column
+    dense.scatter_add_(1, ids, probs.float())
+    return dense[:, :vocab]
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from probs [vocab] with the request's generator."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,82 @@
+"""Domain types shared by the services (no gRPC, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.errors import InvalidArgument
+
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's sampling warp. temperature 0 means greedy (argmax).
+
+    top_k 0 disables top-k; top_p 1.0 disables nucleus sampling.
+    """
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = 0
+    top_p: float = DEFAULT_TOP_P
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidArgument with an actionable message for out-of-range values."""
+        if not self.temperature >= 0.0 or self.temperature != self.temperature:
+            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 disables top-k), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"top_p must be in (0, 1] (1 disables top-p), got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A distribution over the vocabulary; ids not listed have probability 0."""
+
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a proposer returns: γ draft tokens and the distribution each came from."""
+
+    draft_tokens: list[int]
+    draft_probs: list[SparseDist]
+    cached_len: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the target returns for one round."""
+
+    num_accepted: int
+    next_token: int
+    is_bonus: bool
+    accept_probs: list[float] = field(default_factory=list)
+    cached_len: int = 0
+
+    def committed(self, draft_tokens: list[int]) -> list[int]:
+        """The tokens this round commits: accepted drafts plus the target's own token."""
+        return list(draft_tokens[: self.num_accepted]) + [self.next_token]
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a model service reports about its model."""
+
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    tokenizer_vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context_length: int
+    dtype: str
+    device: str
+    max_speculative_tokens: int

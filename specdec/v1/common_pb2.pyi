@@ -1,0 +1,95 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CONTEXT_LENGTH: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "tokenizer_vocab_size", "eos_token_ids", "max_context_length", "dtype", "device", "max_speculative_tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    tokenizer_vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_context_length: int
+    dtype: str
+    device: str
+    max_speculative_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_round", "draft_seconds", "target_seconds", "coordinator_seconds", "draft_prefill_tokens", "target_prefill_tokens", "cache_misses", "accepted_per_position")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    generated_tokens: int
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    tokens_per_round: float
+    draft_seconds: float
+    target_seconds: float
+    coordinator_seconds: float
+    draft_prefill_tokens: int
+    target_prefill_tokens: int
+    cache_misses: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., coordinator_seconds: _Optional[float] = ..., draft_prefill_tokens: _Optional[int] = ..., target_prefill_tokens: _Optional[int] = ..., cache_misses: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...

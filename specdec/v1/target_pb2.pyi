@@ -1,0 +1,62 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TargetServiceGetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetServiceGetModelInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.ModelInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "prefix_len", "new_tokens", "draft_tokens", "draft_probs", "sampling", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prefix_len: int
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    sampling: _common_pb2.SamplingParams
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_accepted", "next_token", "is_bonus", "accept_probs", "cached_len")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IS_BONUS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    next_token: int
+    is_bonus: bool
+    accept_probs: _containers.RepeatedScalarFieldContainer[float]
+    cached_len: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., accept_probs: _Optional[_Iterable[float]] = ..., cached_len: _Optional[int] = ...) -> None: ...
+
+class TargetServiceReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class TargetServiceReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The target tier: verifies draft tokens with the large model."""
