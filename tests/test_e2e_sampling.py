@@ -1,0 +1,63 @@
+"""End to end, sampling: the first two generated tokens follow the target's distribution.
+
+A 12-token vocabulary; the exact target distributions of token 1 and token 2 are
+computed from the target model itself, then compared (chi-square) with what the
+three services produce over many seeds. Every request is seeded, so the test is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.runtime.loader import load_model
+from specdec.sampling import target_probs
+from specdec.types import SamplingParams
+from tests.cluster import Cluster
+from tests.test_sampling import chi2_pvalue
+
+PROMPT_IDS = [3, 7, 5]
+SAMPLES = 1200
+
+
+def exact_first_two(target_dir: str, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """P(token 1) and P(token 2) = Σ_t P(t) P(token 2 | t) under the warp."""
+    model = load_model(target_dir, "float64").model
+    with torch.inference_mode():
+        first_logits = model(torch.tensor([PROMPT_IDS])).logits[0, -1:]  # [1, vocab]
+        p1 = target_probs(first_logits, params)[0].double()
+        vocab = p1.shape[0]
+        contexts = torch.tensor([PROMPT_IDS + [t] for t in range(vocab)])  # [vocab, len+1]
+        second_logits = model(contexts).logits[:, -1]  # [vocab, vocab]
+        p2_given = target_probs(second_logits, params).double()
+    return p1.numpy(), (p1[:, None] * p2_given).sum(0).numpy()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.7, top_k=4),
+    SamplingParams(temperature=0.7, top_p=0.8),
+], ids=["t0.7", "t0.7-topk4", "t0.7-topp0.8"])
+def test_first_two_tokens_follow_target_distribution(small_vocab_models, params):
+    p1, p2 = exact_first_two(small_vocab_models["target"], params)
+    vocab = len(p1)
+    counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
+    accepted = 0
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"]) as cluster:
+        for seed in range(SAMPLES):
+            response = cluster.complete(token_ids=PROMPT_IDS, max_new_tokens=2, num_speculative_tokens=2,
+                                        temperature=params.temperature, top_k=params.top_k or None,
+                                        top_p=params.top_p if params.top_p < 1 else None, seed=seed,
+                                        ignore_eos=True)
+            first, second = response.token_ids
+            counts1[first] += 1
+            counts2[second] += 1
+            accepted += response.stats.accepted_tokens
+    # the draft is a different model: some drafts are rejected, some accepted
+    assert 0 < accepted < 2 * SAMPLES
+    for counts, probs in ((counts1, p1), (counts2, p2)):
+        support = probs > 1e-9
+        assert counts[~support].sum() == 0, "a token outside the warped support was produced"
+        assert chi2_pvalue(counts[support], probs[support]) > 1e-3, (counts, probs * SAMPLES)

@@ -1,0 +1,206 @@
+"""Pure-function tests of the sampling warp and the acceptance step, on hand-built logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.acceptance import accept_greedy, accept_sampled
+from specdec.errors import InvalidArgument
+from specdec.rng import RequestRng, make_generator
+from specdec.sampling import densify, target_probs, truncate_top_k, warp_logits
+from specdec.types import SamplingParams
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])  # [1, vocab=6]
+
+
+def test_temperature_zero_is_one_hot_argmax():
+    probs = target_probs(LOGITS, SamplingParams(temperature=0.0))
+    assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_top_k_keeps_k_most_likely():
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs[0, 2:] == 0).all()
+    expected = torch.softmax(torch.tensor([2.0, 1.0]), dim=0)
+    assert torch.allclose(probs[0, :2], expected)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    full = torch.softmax(LOGITS[0], dim=0)
+    # the first two tokens hold < 0.9 of the mass, the first three >= 0.9? pick p between cumsums
+    cumsum = torch.cumsum(full, 0)
+    top_p = float((cumsum[1] + cumsum[2]) / 2)  # needs exactly three tokens
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    assert (probs[0, :3] > 0).all() and (probs[0, 3:] == 0).all()
+    assert torch.allclose(probs[0, :3], full[:3] / full[:3].sum())
+
+
+def test_warp_temperature_scales_logits():
+    warped = warp_logits(LOGITS, SamplingParams(temperature=0.5))
+    assert torch.allclose(warped, LOGITS * 2)
+
+
+def test_truncate_top_k_and_densify_round_trip():
+    probs = torch.softmax(LOGITS, dim=-1)
+    ids, kept = truncate_top_k(probs, 3)
+    assert ids.tolist() == [[0, 1, 2]]
+    assert torch.allclose(kept.sum(), torch.tensor(1.0))
+    dense = densify(ids, kept, 6)
+    assert torch.allclose(dense[0, :3], probs[0, :3] / probs[0, :3].sum())
+    assert (dense[0, 3:] == 0).all()
+    # ids beyond the (target) vocabulary are dropped, not wrapped
+    assert densify(torch.tensor([[7, 1]]), torch.tensor([[0.5, 0.5]]), 6).tolist() == [[0, 0.5, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=-0.1), SamplingParams(top_k=-1), SamplingParams(top_p=0.0),
+     SamplingParams(top_p=1.5), SamplingParams(temperature=float("nan"))],
+)
+def test_invalid_params_rejected(params):
+    with pytest.raises(InvalidArgument):
+        params.validate()
+
+
+# ---- greedy acceptance ----------------------------------------------------------------------
+
+def test_greedy_perfect_match_gives_bonus():
+    verdict = accept_greedy([3, 1, 4], [3, 1, 4, 9])
+    assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (3, 9, True)
+    assert verdict.committed([3, 1, 4]) == [3, 1, 4, 9]
+
+
+def test_greedy_early_mismatch_gives_correction():
+    verdict = accept_greedy([3, 1, 4], [3, 2, 4, 9])
+    assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (1, 2, False)
+    assert verdict.committed([3, 1, 4]) == [3, 2]
+
+
+def test_greedy_no_drafts_is_plain_decoding():
+    verdict = accept_greedy([], [5])
+    assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (0, 5, True)
+
+
+# ---- stochastic acceptance -------------------------------------------------------------------
+
+def _one_hot(ids, vocab):
+    out = torch.zeros(len(ids), vocab)
+    out[torch.arange(len(ids)), torch.tensor(ids)] = 1.0
+    return out
+
+
+def test_sampled_perfect_match_accepts_all_and_samples_bonus():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # [γ+1, vocab]
+    q = _one_hot([1, 2], 3)
+    verdict = accept_sampled([1, 2], q, p, make_generator(0))
+    assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (2, 0, True)
+    assert verdict.accept_probs == [1.0, 1.0]
+
+
+def test_sampled_early_mismatch_recovers_from_residual():
+    # target never produces token 0; draft proposed it -> rejected, recovered from max(0, p - q)
+    p = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.8, 0.2, 0.0]])
+    for seed in range(20):
+        verdict = accept_sampled([0], q, p, make_generator(seed))
+        assert verdict.num_accepted == 0 and not verdict.is_bonus
+        # residual = [0, 0.3, 0.5] -> never token 0
+        assert verdict.next_token in (1, 2)
+        assert verdict.accept_probs == [0.0]
+
+
+def test_sampled_no_drafts_samples_from_p():
+    p = torch.tensor([[0.0, 0.0, 1.0]])
+    verdict = accept_sampled([], p[:0], p, make_generator(1))
+    assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (0, 2, True)
+
+
+def test_q_with_zeros_off_the_sampled_token_is_fine():
+    # a top-K truncated q: zeros everywhere but the kept tokens
+    p = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    verdict = accept_sampled([1], q, p, make_generator(3))
+    assert verdict.accept_probs == [0.25]
+
+
+def test_q_zero_on_the_drafted_token_is_rejected():
+    p = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    with pytest.raises(InvalidArgument):
+        accept_sampled([0], torch.tensor([[0.0, 1.0]]), p, make_generator(0))
+
+
+def test_seeded_determinism():
+    p = torch.softmax(torch.randn(4, 10, generator=torch.Generator().manual_seed(5)), dim=-1)
+    q = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(6)), dim=-1)
+    drafts = [int(q[i].argmax()) for i in range(3)]
+    runs = [accept_sampled(drafts, q, p, make_generator(42)) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    others = {accept_sampled(drafts, q, p, make_generator(s)).committed(drafts).__repr__() for s in range(40)}
+    assert len(others) > 1  # different seeds do give different outcomes
+    rng_a, rng_b = RequestRng(7), RequestRng(7)
+    assert [rng_a.next_seed() for _ in range(5)] == [rng_b.next_seed() for _ in range(5)]
+
+
+def chi2_pvalue(observed, probs) -> float:
+    """Chi-square goodness of fit of counts against a distribution (float64, renormalised)."""
+    observed = np.asarray(observed, dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    if len(observed) < 2:
+        raise ValueError("a chi-square test needs at least two cells")
+    return float(chisquare(observed, probs / probs.sum() * observed.sum()).pvalue)
+
+
+def _emitted_distribution(p_rows, q_rows, draws, gamma, seed=0):
+    """Counts of (first emitted token) and (second emitted token) over `draws` rounds."""
+    vocab = p_rows.shape[1]
+    generator = make_generator(seed)
+    first = np.zeros(vocab)
+    second = np.zeros(vocab)
+    for _ in range(draws):
+        drafts = [int(torch.multinomial(q_rows[i], 1, generator=generator)) for i in range(gamma)]
+        verdict = accept_sampled(drafts, q_rows[:gamma], p_rows[: gamma + 1], generator)
+        tokens = verdict.committed(drafts)
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=4),
+    SamplingParams(temperature=0.9, top_p=0.8),
+])
+def test_distribution_converges_to_target(params):
+    """Whatever q is, the emitted tokens follow the (warped) target distribution."""
+    gen = torch.Generator().manual_seed(123)
+    target_logits = torch.randn(3, 6, generator=gen) * 1.5  # [γ+1, vocab]
+    draft_logits = torch.randn(2, 6, generator=gen) * 1.5  # [γ, vocab], q != p
+    p = target_probs(target_logits, params)
+    ids, kept = truncate_top_k(torch.softmax(draft_logits, dim=-1), 4)  # truncated like the draft service
+    q = densify(ids, kept, 6)
+    draws = 20_000
+    first, second = _emitted_distribution(p, q, draws, gamma=2)
+    support = p[0] > 0
+    assert chi2_pvalue(first[support.numpy()], p[0][support].numpy()) > 1e-3, (first, p[0] * draws)
+    assert first[(~support).numpy()].sum() == 0
+    # given the first token was an accepted draft, the second follows p[1]
+    n_second = second.sum()
+    assert n_second > 1000
+    support1 = p[1] > 0
+    assert chi2_pvalue(second[support1.numpy()], p[1][support1].numpy()) > 1e-3, (second, p[1] * n_second)
+
+
+def test_distribution_test_can_fail():
+    """The same statistic flags a sampler that ignores the residual (returns a draft of q)."""
+    gen = torch.Generator().manual_seed(123)
+    p = torch.softmax(torch.randn(2, 6, generator=gen) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(1, 6, generator=gen) * 1.5, dim=-1)
+    generator = make_generator(0)
+    counts = np.zeros(6)
+    for _ in range(5000):
+        counts[int(torch.multinomial(q[0], 1, generator=generator))] += 1  # "always accept"
+    assert chi2_pvalue(counts, p[0].numpy()) < 1e-6
