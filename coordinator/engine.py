@@ -266,14 +266,16 @@ class Engine:
         while True:
             prefix = record.draft_held
             new_tokens = record.token_ids[prefix:]
-            if run.draft_calls == 0 or prefix == 0:
-                run.stats.draft_prefill_tokens += len(new_tokens)
-            run.draft_calls += 1
             try:
-                return await self.draft.propose(record.session_id, prefix, new_tokens, gamma, params, seed)
+                proposal = await self.draft.propose(record.session_id, prefix, new_tokens, gamma, params, seed)
             except CacheMiss as miss:
                 self._after_miss(run, miss, prefix, "draft")
                 record.draft_held = 0
+                continue
+            if run.draft_calls == 0 or prefix == 0:
+                run.stats.draft_prefill_tokens += len(new_tokens)
+            run.draft_calls += 1
+            return proposal
 
     async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
                       seed: int) -> Verdict:
@@ -281,15 +283,17 @@ class Engine:
         while True:
             prefix = record.target_held
             new_tokens = record.token_ids[prefix:]
-            if run.target_calls == 0 or prefix == 0:
-                run.stats.target_prefill_tokens += len(new_tokens)
-            run.target_calls += 1
             try:
-                return await self.target.verify(record.session_id, prefix, new_tokens, drafts,
-                                                proposal.draft_probs, params, seed)
+                verdict = await self.target.verify(record.session_id, prefix, new_tokens, drafts,
+                                                   proposal.draft_probs, params, seed)
             except CacheMiss as miss:
                 self._after_miss(run, miss, prefix, "target")
                 record.target_held = 0
+                continue
+            if run.target_calls == 0 or prefix == 0:
+                run.stats.target_prefill_tokens += len(new_tokens)
+            run.target_calls += 1
+            return verdict
 
     @staticmethod
     def _after_miss(run: _Run, miss: CacheMiss, prefix: int, service: str) -> None:

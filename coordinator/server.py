@@ -63,20 +63,21 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
     draft = DraftClient(config.draft, config.rpc_timeout_s, config.max_message_bytes)
     target = TargetClient(config.target, config.rpc_timeout_s, config.max_message_bytes)
     try:
-        draft_info = await draft.info(startup_timeout_s)
-        target_info = await target.info(startup_timeout_s)
-    except SpecdecError as exc:
+        try:
+            draft_info = await draft.info(startup_timeout_s)
+            target_info = await target.info(startup_timeout_s)
+        except SpecdecError as exc:
+            raise StartupError(f"cannot reach the model services: {exc}") from exc
+        tokenizer_source = config.tokenizer or target_info.model_id
+        try:
+            tokenizer = load_tokenizer(tokenizer_source)
+        except ModelLoadError as exc:
+            raise StartupError(f"{exc}; set --tokenizer") from exc
+        check_compatible(draft_info, target_info, tokenizer_fingerprint(tokenizer))
+    except StartupError:
         await draft.close()
         await target.close()
-        raise StartupError(f"cannot reach the model services: {exc}") from exc
-    tokenizer_source = config.tokenizer or target_info.model_id
-    try:
-        tokenizer = load_tokenizer(tokenizer_source)
-    except ModelLoadError as exc:
-        await draft.close()
-        await target.close()
-        raise StartupError(f"{exc}; set --tokenizer") from exc
-    check_compatible(draft_info, target_info, tokenizer_fingerprint(tokenizer))
+        raise
     engine = Engine(config, open_store(config.session_store), draft, target, tokenizer, draft_info,
                     target_info)
     servicer = CoordinatorServicer(engine)

@@ -77,3 +77,47 @@ def test_streamed_chunks_add_up_and_stop_on_eos(models):
         assert chunks[-1].finish_reason == full.finish_reason != 0
         assert all(c.finish_reason == 0 for c in chunks[:-1])
         assert chunks[-1].stats.generated_tokens == 40
+
+
+def test_stop_string_ends_generation_and_is_excluded(llama_cluster):
+    full = llama_cluster.complete(prompt=PROMPTS[0], max_new_tokens=32, ignore_eos=True)
+    text = full.text
+    assert len(text) > 12
+    stop = text[8:11]
+    first = text.find(stop)
+    stopped = llama_cluster.stream(prompt=PROMPTS[0], max_new_tokens=32, ignore_eos=True, stop=[stop],
+                                   num_speculative_tokens=4)
+    streamed = "".join(c.text for c in stopped)
+    assert streamed == text[:first]
+    assert stopped[-1].finish_reason == 3  # FINISH_REASON_STOP
+    generated = [t for c in stopped for t in c.token_ids]
+    assert generated == list(full.token_ids[: len(generated)])
+    assert len(generated) < 32
+
+
+def test_chat_messages_use_the_chat_template(llama_cluster, models):
+    from specdec.runtime.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(models["llama"]["target"])
+    messages = [("system", "be brief"), ("user", "say hi")]
+    rendered = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                             tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    by_chat = llama_cluster.complete(messages=messages, max_new_tokens=12, ignore_eos=True)
+    by_ids = llama_cluster.complete(token_ids=ids, max_new_tokens=12, ignore_eos=True)
+    assert by_chat.stats.prompt_tokens == len(ids)
+    assert list(by_chat.token_ids) == list(by_ids.token_ids)
+
+
+def test_eos_ends_generation(small_vocab_models):
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"]) as cluster:
+        ended = 0
+        for seed in range(40):
+            response = cluster.complete(token_ids=[3, 7, 5], max_new_tokens=8, temperature=0.7, seed=seed)
+            ids = list(response.token_ids)
+            if response.finish_reason == 1:  # FINISH_REASON_EOS
+                ended += 1
+                assert ids[-1] == 0 and 0 not in ids[:-1]
+            else:
+                assert 0 not in ids and len(ids) == 8
+        assert ended > 0

