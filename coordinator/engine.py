@@ -60,8 +60,7 @@ class _Run:
 
     record: SessionRecord
     stats: GenerationStats
-    draft_calls: int = 0
-    target_calls: int = 0
+    calls: dict[str, int] = field(default_factory=lambda: {"draft": 0, "target": 0})
 
 
 class Engine:
@@ -262,38 +261,35 @@ class Engine:
         return verdict, drafts
 
     async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
-        record = run.record
-        while True:
-            prefix = record.draft_held
-            new_tokens = record.token_ids[prefix:]
-            try:
-                proposal = await self.draft.propose(record.session_id, prefix, new_tokens, gamma, params, seed)
-            except CacheMiss as miss:
-                self._after_miss(run, miss, prefix, "draft")
-                record.draft_held = 0
-                continue
-            if run.draft_calls == 0 or prefix == 0:
-                run.stats.draft_prefill_tokens += len(new_tokens)
-            run.draft_calls += 1
-            return proposal
+        sid = run.record.session_id
+        return await self._with_resend(run, "draft", lambda prefix, new_tokens: self.draft.propose(
+            sid, prefix, new_tokens, gamma, params, seed))
 
     async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
                       seed: int) -> Verdict:
+        sid = run.record.session_id
+        return await self._with_resend(run, "target", lambda prefix, new_tokens: self.target.verify(
+            sid, prefix, new_tokens, drafts, proposal.draft_probs, params, seed))
+
+    async def _with_resend(self, run: _Run, service: str, call):
+        """call(prefix_len, new_tokens) with what the service lacks; on a cache miss, once more
+        with the full history from prefix_len 0."""
         record = run.record
+        held_attr = f"{service}_held"
         while True:
-            prefix = record.target_held
+            prefix = getattr(record, held_attr)
             new_tokens = record.token_ids[prefix:]
             try:
-                verdict = await self.target.verify(record.session_id, prefix, new_tokens, drafts,
-                                                   proposal.draft_probs, params, seed)
+                result = await call(prefix, new_tokens)
             except CacheMiss as miss:
-                self._after_miss(run, miss, prefix, "target")
-                record.target_held = 0
+                self._after_miss(run, miss, prefix, service)
+                setattr(record, held_attr, 0)
                 continue
-            if run.target_calls == 0 or prefix == 0:
-                run.stats.target_prefill_tokens += len(new_tokens)
-            run.target_calls += 1
-            return verdict
+            if run.calls[service] == 0 or prefix == 0:  # what the service had to prefill
+                prefill_attr = f"{service}_prefill_tokens"
+                setattr(run.stats, prefill_attr, getattr(run.stats, prefill_attr) + len(new_tokens))
+            run.calls[service] += 1
+            return result
 
     @staticmethod
     def _after_miss(run: _Run, miss: CacheMiss, prefix: int, service: str) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import grpc
 
 from specdec.config import DraftConfig
-from specdec.rpc.server import build_sync_server
+from specdec.rpc.server import start_model_server
 from specdec.runtime.runner import runner_from_config
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -20,12 +18,8 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 def start(config: DraftConfig) -> tuple[grpc.Server, int, DraftServicer]:
     """Load the model and serve it; returns (server, bound port, servicer)."""
-    if not config.port:
-        config = dataclasses.replace(config, port=DEFAULT_PORT)
     runner = runner_from_config(config)
     servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description)
-    server, port = build_sync_server(
-        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), [SERVICE_NAME],
-        config.host, config.port, config.max_workers, config.max_message_bytes,
-    )
+    server, port = start_model_server(config, DEFAULT_PORT, servicer,
+                                      draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)
     return server, port, servicer

@@ -67,3 +67,10 @@ async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
+
+
+def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str
+                       ) -> tuple[grpc.Server, int]:
+    """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
+    return build_sync_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
+                             config.port or default_port, config.max_workers, config.max_message_bytes)
