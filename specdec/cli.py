@@ -146,6 +146,11 @@ def _up(args: argparse.Namespace) -> int:
                                addresses["target"], "--port", str(port)],
     }
     procs: list[subprocess.Popen] = []
+
+    def terminate(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)  # stop the children on SIGTERM as on Ctrl-C
     try:
         for name in ("draft", "target", "coordinator"):
             procs.append(subprocess.Popen(commands[name]))

@@ -70,3 +70,30 @@ def test_up_without_fetched_pair_says_what_to_do(tmp_path):
     result = run_cli("up", env={"SPECDEC_CACHE_DIR": str(tmp_path)})
     assert result.returncode != 0
     assert "specdec models fetch" in result.stderr
+
+
+def test_up_stops_its_services_on_sigterm(models):
+    import signal
+    import time
+
+    import psutil
+
+    port = _free_port_block()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--draft-model",
+                             models["llama"]["draft"], "--target-model", models["llama"]["target"],
+                             "--dtype", "float32", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if "Ctrl-C stops all" in line or time.monotonic() > deadline:
+                break
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,186 @@
+"""Sessions in Redis (redis-py asyncio), shared by every coordinator replica.
+
+Keys of session S (all with the session TTL, refreshed on every write):
+  specdec:session:S:meta    hash: created_at, updated_at, requests, stats (JSON),
+                            draft_address, draft_held, target_address, target_held
+  specdec:session:S:tokens  list of committed token ids (append-only)
+  specdec:session:S:lease   the id of the request generating now (expires after lease_ttl)
+
+Two coordinators never corrupt a session: a request must hold the lease to write, and a
+write only appends when the stored token count is the one the writer last saw (checked
+atomically in a Lua script).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from specdec.errors import FailedPrecondition, Unavailable
+
+from coordinator.store import SessionRecord, busy_error, not_found_error
+
+PREFIX = "specdec:session:"
+
+# KEYS: meta, tokens, lease; ARGV: lease id, expected token count, ttl ms, lease ttl ms,
+#       meta JSON, new tokens...
+SAVE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return -2 end
+if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return -3 end
+local meta = cjson.decode(ARGV[5])
+for k, v in pairs(meta) do redis.call('HSET', KEYS[1], k, v) end
+if #ARGV > 5 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 6)) end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
+return redis.call('LLEN', KEYS[2])
+"""
+
+# KEYS: lease; ARGV: lease id
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _keys(session_id: str) -> tuple[str, str, str]:
+    base = PREFIX + session_id
+    return base + ":meta", base + ":tokens", base + ":lease"
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+class RedisSessionStore:
+    """`SessionStore` over Redis; see the module docstring for the layout."""
+
+    def __init__(self, url: str, ttl_s: float = 86400.0, lease_ttl_s: float = 30.0,
+                 socket_timeout_s: float = 5.0):
+        self.url = url
+        self.ttl_ms = int(ttl_s * 1000)
+        self.lease_ttl_ms = int(lease_ttl_s * 1000)
+        self.client = aioredis.from_url(url, socket_timeout=socket_timeout_s,
+                                        socket_connect_timeout=socket_timeout_s, decode_responses=True)
+        self._save = self.client.register_script(SAVE_SCRIPT)
+        self._release = self.client.register_script(RELEASE_SCRIPT)
+        self._leases: dict[str, str] = {}
+
+    def _unavailable(self, exc: Exception) -> Unavailable:
+        return Unavailable(f"session store {_redacted(self.url)} is unreachable ({exc.__class__.__name__}: "
+                           f"{exc}); retry when it is back")
+
+    async def ping(self) -> None:
+        try:
+            await self.client.ping()
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    async def create(self) -> SessionRecord:
+        record = SessionRecord(session_id=uuid.uuid4().hex)
+        meta, _, _ = _keys(record.session_id)
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hset(meta, mapping=self._meta(record))
+                pipe.pexpire(meta, self.ttl_ms)
+                await pipe.execute()
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        return record
+
+    async def get(self, session_id: str) -> SessionRecord:
+        meta_key, tokens_key, _ = _keys(session_id)
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hgetall(meta_key)
+                pipe.lrange(tokens_key, 0, -1)
+                meta, tokens = await pipe.execute()
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        if not meta:
+            raise not_found_error(session_id)
+        record = SessionRecord(
+            session_id=session_id, token_ids=[int(t) for t in tokens],
+            created_at=float(meta["created_at"]), updated_at=float(meta["updated_at"]),
+            requests=int(meta["requests"]), stats=json.loads(meta["stats"]),
+            draft_address=meta["draft_address"], draft_held=int(meta["draft_held"]),
+            target_address=meta["target_address"], target_held=int(meta["target_held"]),
+        )
+        record.stored_len = len(record.token_ids)
+        return record
+
+    async def acquire(self, session_id: str) -> SessionRecord:
+        meta_key, _, lease_key = _keys(session_id)
+        lease = uuid.uuid4().hex
+        try:
+            if not await self.client.exists(meta_key):
+                raise not_found_error(session_id)
+            if not await self.client.set(lease_key, lease, nx=True, px=self.lease_ttl_ms):
+                raise busy_error(session_id)
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        self._leases[session_id] = lease
+        try:
+            return await self.get(session_id)
+        except BaseException:
+            await self.release(session_id)
+            raise
+
+    @staticmethod
+    def _meta(record: SessionRecord) -> dict[str, str]:
+        return {
+            "created_at": repr(record.created_at), "updated_at": repr(time.time()),
+            "requests": str(record.requests), "stats": json.dumps(record.stats),
+            "draft_address": record.draft_address, "draft_held": str(record.draft_held),
+            "target_address": record.target_address, "target_held": str(record.target_held),
+        }
+
+    async def save(self, record: SessionRecord) -> None:
+        meta_key, tokens_key, lease_key = _keys(record.session_id)
+        lease = self._leases.get(record.session_id, "")
+        new_tokens = record.token_ids[record.stored_len:]
+        try:
+            result = await self._save(
+                keys=[meta_key, tokens_key, lease_key],
+                args=[lease, record.stored_len, self.ttl_ms, self.lease_ttl_ms,
+                      json.dumps(self._meta(record)), *new_tokens])
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        if result == -1:
+            raise not_found_error(record.session_id)
+        if result == -2:
+            raise FailedPrecondition(
+                f"session {record.session_id!r} lost its lease (another request took it over after "
+                f"{self.lease_ttl_ms / 1000:.0f}s without progress); the tokens committed so far are kept")
+        if result == -3:
+            raise FailedPrecondition(
+                f"session {record.session_id!r} was changed by another writer; reload it and retry")
+        record.stored_len = int(result)
+
+    async def release(self, session_id: str) -> None:
+        lease = self._leases.pop(session_id, None)
+        if lease is None:
+            return
+        _, _, lease_key = _keys(session_id)
+        try:
+            await self._release(keys=[lease_key], args=[lease])
+        except RedisError:
+            pass  # the lease expires on its own
+
+    async def delete(self, session_id: str) -> bool:
+        try:
+            return bool(await self.client.delete(*_keys(session_id)))
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    async def close(self) -> None:
+        await self.client.aclose()
