@@ -26,9 +26,10 @@ class ServiceClient:
     def name(self) -> str:
         return f"{self.kind} service at {self.address}"
 
-    async def call(self, method, request, session_id: str = "", timeout_s: float | None = None):
+    async def call(self, method, request, session_id: str = "", timeout_s: float | None = None,
+                   wait_for_ready: bool = True):
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s, wait_for_ready=True)
+            return await method(request, timeout=timeout_s or self.timeout_s, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc, self.name)
             if isinstance(error, CacheMiss):
@@ -52,12 +53,13 @@ class DraftClient(ServiceClient):
         return model_info_from_pb(response.info)
 
     async def propose(self, session_id: str, prefix_len: int, new_tokens: list[int], gamma: int,
-                      params: SamplingParams, seed: int) -> Proposal:
+                      params: SamplingParams, seed: int, timeout_s: float | None = None) -> Proposal:
+        """Fails fast (no waiting for a connection): a missing draft makes the round target-only."""
         request = draft_pb2.ProposeRequest(
             session_id=session_id, prefix_len=prefix_len, new_tokens=new_tokens,
             num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed,
         )
-        response = await self.call(self.stub.Propose, request, session_id)
+        response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False)
         return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
                         response.cached_len)
 

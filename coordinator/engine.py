@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from specdec.config import CoordinatorConfig
-from specdec.errors import CacheMiss, FailedPrecondition, InvalidArgument
+from specdec.errors import (
+    CacheMiss, FailedPrecondition, InvalidArgument, ResourceExhausted, SpecdecError, Unavailable,
+)
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
-from coordinator.clients import DraftClient, TargetClient
+from coordinator.clients import DraftClient, TargetClient, release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
 from coordinator.stats import GenerationStats
 from coordinator.store import SessionRecord, SessionStore
@@ -81,6 +84,8 @@ class Engine:
         self.context_length = target_info.max_context_length
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.context_length - 1,
                                      self.context_length - 1)
+        self.active = 0  # requests generating now
+        self.draft_down_until = 0.0  # monotonic time before which rounds skip the draft
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -164,12 +169,34 @@ class Engine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         max_new, gamma = self._limits(request)
-        record, added = await self._open(request)
+        if self.active >= self.config.max_concurrent_generations:
+            raise ResourceExhausted(
+                f"{self.active} generations are running, the limit of this coordinator "
+                "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
+        self.active += 1
         try:
-            async for chunk in self._run(request, record, added, max_new, gamma):
-                yield chunk
+            record, added = await self._open(request)
+            finished = False
+            try:
+                async for chunk in self._run(request, record, added, max_new, gamma):
+                    yield chunk
+                finished = True
+            finally:
+                if not finished:  # cancelled, past its deadline or failed
+                    await self._abandon(record)
+                await self.store.release(record.session_id)
         finally:
-            await self.store.release(record.session_id)
+            self.active -= 1
+
+    async def _abandon(self, record: SessionRecord) -> None:
+        """Free the KV caches a request leaves behind; its committed tokens stay in the store."""
+        await asyncio.gather(release_quietly(self.draft, record.session_id),
+                             release_quietly(self.target, record.session_id))
+        record.draft_held = record.target_held = 0
+        try:
+            await self.store.save(record)
+        except SpecdecError as exc:
+            log.info("session %s: could not record the released caches (%s)", record.session_id, exc)
 
     async def _run(self, request: GenerationRequest, record: SessionRecord, added: list[int],
                    max_new: int, gamma: int) -> AsyncIterator[Chunk]:
@@ -241,41 +268,53 @@ class Engine:
 
     async def _round(self, run: _Run, gamma: int, params: SamplingParams,
                      rng: RequestRng) -> tuple[Verdict, list[int]]:
-        """One round: γ drafts (none when γ is 0), one verification; updates held lengths."""
+        """One round: γ drafts (none when γ is 0 or the draft is failing), one verification;
+        updates the held lengths."""
         record, stats = run.record, run.stats
         base = len(record.token_ids)
         draft_seed, target_seed = rng.next_seed(), rng.next_seed()
         proposal = Proposal([], [])
-        if gamma > 0:
+        if gamma > 0 and time.monotonic() < self.draft_down_until:
+            stats.fallback_rounds += 1
+        elif gamma > 0:
             t0 = time.perf_counter()
-            proposal = await self._propose(run, gamma, params, draft_seed)
+            try:
+                proposal = await self._propose(run, gamma, params, draft_seed)
+            except (Unavailable, ResourceExhausted) as exc:
+                self.draft_down_until = time.monotonic() + self.config.draft_retry_s
+                stats.fallback_rounds += 1
+                log.warning("draft failed (%s); target-only rounds for %.1fs", exc, self.config.draft_retry_s)
             stats.draft_seconds += time.perf_counter() - t0
         drafts = proposal.draft_tokens
         t0 = time.perf_counter()
         verdict = await self._verify(run, drafts, proposal, params, target_seed)
         stats.target_seconds += time.perf_counter() - t0
         stats.record_round(len(drafts), verdict.num_accepted)
-        if gamma > 0:  # the draft fed d1..dγ-1; those the target accepted are committed
-            record.draft_held = base + min(verdict.num_accepted, gamma - 1)
+        if drafts:  # the draft fed d1..dγ-1; those the target accepted are committed
+            record.draft_held = base + min(verdict.num_accepted, len(drafts) - 1)
         record.target_held = base + verdict.num_accepted
         return verdict, drafts
 
     async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
         sid = run.record.session_id
         return await self._with_resend(run, "draft", lambda prefix, new_tokens: self.draft.propose(
-            sid, prefix, new_tokens, gamma, params, seed))
+            sid, prefix, new_tokens, gamma, params, seed, timeout_s=self.config.draft_timeout_s))
 
     async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
                       seed: int) -> Verdict:
         sid = run.record.session_id
         return await self._with_resend(run, "target", lambda prefix, new_tokens: self.target.verify(
-            sid, prefix, new_tokens, drafts, proposal.draft_probs, params, seed))
+            sid, prefix, new_tokens, drafts, proposal.draft_probs, params, seed),
+            retry_s=self.config.target_retry_s)
 
-    async def _with_resend(self, run: _Run, service: str, call):
-        """call(prefix_len, new_tokens) with what the service lacks; on a cache miss, once more
-        with the full history from prefix_len 0."""
+    async def _with_resend(self, run: _Run, service: str, call, retry_s: float = 0.0):
+        """call(prefix_len, new_tokens) with what the service lacks. On a cache miss, again with
+        the full history from prefix_len 0; while the service is unreachable, again for up to
+        retry_s seconds (the same seeds: a retried round draws the same numbers)."""
         record = run.record
         held_attr = f"{service}_held"
+        give_up_at: float | None = None
+        backoff = 0.1
         while True:
             prefix = getattr(record, held_attr)
             new_tokens = record.token_ids[prefix:]
@@ -284,6 +323,15 @@ class Engine:
             except CacheMiss as miss:
                 self._after_miss(run, miss, prefix, service)
                 setattr(record, held_attr, 0)
+                continue
+            except Unavailable:
+                now = time.monotonic()
+                give_up_at = now + retry_s if give_up_at is None else give_up_at
+                if now >= give_up_at:
+                    raise
+                run.stats.target_retries += service == "target"
+                await asyncio.sleep(min(backoff, give_up_at - now))
+                backoff = min(backoff * 2, 1.0)
                 continue
             if run.calls[service] == 0 or prefix == 0:  # what the service had to prefill
                 prefill_attr = f"{service}_prefill_tokens"

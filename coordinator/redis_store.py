@@ -76,8 +76,8 @@ class RedisSessionStore:
         self._leases: dict[str, str] = {}
 
     def _unavailable(self, exc: Exception) -> Unavailable:
-        return Unavailable(f"session store {_redacted(self.url)} is unreachable ({exc.__class__.__name__}: "
-                           f"{exc}); retry when it is back")
+        return Unavailable(f"session store {_redacted(self.url)} is unreachable or refused us "
+                           f"({exc.__class__.__name__}: {exc}); retry when it is back")
 
     async def ping(self) -> None:
         try:

@@ -55,6 +55,7 @@ class RunningCoordinator:
 
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.server.stop(grace)
+        await self.engine.store.close()
         await self.engine.draft.close()
         await self.engine.target.close()
 
@@ -78,8 +79,18 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         await draft.close()
         await target.close()
         raise
-    engine = Engine(config, open_store(config.session_store), draft, target, tokenizer, draft_info,
-                    target_info)
+    try:
+        store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s)
+    except ValueError as exc:
+        await draft.close()
+        await target.close()
+        raise StartupError(str(exc)) from exc
+    if hasattr(store, "ping"):
+        try:
+            await store.ping()
+        except SpecdecError as exc:  # serve anyway: requests answer UNAVAILABLE until it is back
+            log.warning("%s", exc)
+    engine = Engine(config, store, draft, target, tokenizer, draft_info, target_info)
     servicer = CoordinatorServicer(engine)
     server, port = await build_aio_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), [SERVICE_NAME],

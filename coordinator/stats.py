@@ -18,6 +18,8 @@ class GenerationStats:
     draft_prefill_tokens: int = 0
     target_prefill_tokens: int = 0
     cache_misses: int = 0
+    fallback_rounds: int = 0
+    target_retries: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
     @property

@@ -31,6 +31,7 @@ class SessionRecord:
     draft_held: int = 0  # committed tokens that replica holds
     target_address: str = ""
     target_held: int = 0
+    stored_len: int = field(default=0, compare=False, repr=False)  # tokens the store already has
 
 
 class SessionStore(Protocol):
@@ -47,6 +48,8 @@ class SessionStore(Protocol):
         """End the lease."""
 
     async def delete(self, session_id: str) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 def busy_error(session_id: str) -> FailedPrecondition:
@@ -105,9 +108,16 @@ class MemorySessionStore:
             self._leased.discard(session_id)
             return self._records.pop(session_id, None) is not None
 
+    async def close(self) -> None:
+        return None
 
-def open_store(url: str) -> SessionStore:
-    """The store named by --session-store."""
+
+def open_store(url: str, ttl_s: float = 86400.0, lease_s: float = 120.0) -> SessionStore:
+    """The store named by --session-store: `memory` or a redis://, rediss:// or unix:// URL."""
     if url == "memory":
         return MemorySessionStore()
-    raise SystemExit(f"unsupported --session-store {url!r}: use 'memory'")
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from coordinator.redis_store import RedisSessionStore
+
+        return RedisSessionStore(url, ttl_s=ttl_s, lease_ttl_s=lease_s)
+    raise ValueError(f"unsupported --session-store {url!r}: use 'memory' or a redis:// / rediss:// URL")

@@ -61,7 +61,17 @@ class CoordinatorConfig:
     host: str = opt("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = opt(50051, "port to listen on")
     tokenizer: str = opt("", "tokenizer directory or hub id (default: the target's model id)")
-    session_store: str = opt("memory", "session store: memory")
+    session_store: str = opt("memory", "session store: memory, or redis://[:PASSWORD@]HOST:PORT/DB "
+                             "(rediss:// for TLS)")
+    session_ttl_s: float = opt(86400.0, "seconds a session is kept after its last write (Redis)")
+    session_lease_s: float = opt(120.0, "a request's hold on its session expires after this long "
+                                 "without progress (Redis)")
+    max_concurrent_generations: int = opt(64, "requests generating at once; more get RESOURCE_EXHAUSTED")
+    draft_timeout_s: float = opt(10.0, "budget of one Propose call; slower or failing drafts make the "
+                                 "round target-only")
+    draft_retry_s: float = opt(5.0, "after a draft failure, rounds are target-only for this long")
+    target_retry_s: float = opt(60.0, "how long to keep retrying an unreachable target before "
+                                "failing the request with UNAVAILABLE")
     default_max_new_tokens: int = opt(128, "max_new_tokens when a request leaves it unset")
     max_new_tokens_limit: int = opt(4096, "largest max_new_tokens a request may ask for")
     default_num_speculative_tokens: int = opt(4, "γ when a request leaves it unset")

@@ -33,7 +33,11 @@ class CacheMiss(FailedPrecondition):
 
 
 class ResourceExhausted(SpecdecError):
-    """A limit was reached; retry later or with a smaller request."""
+    """A limit was reached; retry later (after retry_after_s, when given) or with a smaller request."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
 
 
 class Unavailable(SpecdecError):

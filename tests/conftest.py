@@ -53,3 +53,28 @@ def small_vocab_models(tmp_path_factory):
 def llama_cluster(models):
     with Cluster(models["llama"]["draft"], models["llama"]["target"]) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A reachable Redis for tests that do not stop it: $SPECDEC_TEST_REDIS_URL (set by .ci/run),
+    else a redis-server of our own on a free port."""
+    url = os.environ.get("SPECDEC_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server this test owns (it may stop and restart it)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()

@@ -14,6 +14,7 @@ from specdec import errors
 log = logging.getLogger(__name__)
 
 CACHE_MISS_KEY = "specdec-cache-miss-held"
+RETRY_AFTER_KEY = "retry-after-ms"
 
 _CODES: list[tuple[type[errors.SpecdecError], grpc.StatusCode]] = [
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -34,6 +35,8 @@ def code_for(error: errors.SpecdecError) -> grpc.StatusCode:
 def _trailers(error: errors.SpecdecError) -> tuple[tuple[str, str], ...]:
     if isinstance(error, errors.CacheMiss):
         return ((CACHE_MISS_KEY, str(error.held)),)
+    if isinstance(error, errors.ResourceExhausted) and error.retry_after_s is not None:
+        return ((RETRY_AFTER_KEY, str(int(error.retry_after_s * 1000))),)
     return ()
 
 

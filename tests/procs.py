@@ -1,0 +1,92 @@
+"""Draft and target services as real processes (`specdec serve ...`), for fault tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import grpc
+
+from coordinator import server as coordinator_server
+from specdec.cli import wait_healthy
+from specdec.config import CoordinatorConfig
+from specdec.v1 import coordinator_pb2_grpc
+from tests.cluster import LoopThread, generate_request
+from tests.redis_server import free_port
+
+
+class ServiceProcess:
+    """One `specdec serve draft|target` process on a fixed loopback port."""
+
+    def __init__(self, kind: str, model: str, dtype: str = "float64", extra: list[str] | None = None):
+        self.kind = kind
+        self.model = model
+        self.dtype = dtype
+        self.extra = extra or []
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "ServiceProcess":
+        command = [sys.executable, "-m", "specdec.cli", "serve", self.kind, "--model", self.model,
+                   "--dtype", self.dtype, "--port", str(self.port), "--max-workers", "4", *self.extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        wait_healthy(self.address, 120, [self.proc])
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, every KV cache gone."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Coordinator:
+    """A coordinator served from this process (asyncio loop in a thread)."""
+
+    def __init__(self, draft: str, target: str, **overrides: Any):
+        self.loop = LoopThread()
+        config = CoordinatorConfig(draft=draft, target=target, port=0, **overrides)
+        self.running = self.loop.run(coordinator_server.start(config, startup_timeout_s=60))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.running.port}")
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    @property
+    def engine(self):
+        return self.running.engine
+
+    def complete(self, **fields: Any):
+        from specdec.v1 import coordinator_pb2
+
+        return self.stub.Complete(coordinator_pb2.CompleteRequest(request=generate_request(**fields)),
+                                  timeout=300)
+
+    def stream(self, **fields: Any):
+        return self.stub.Generate(generate_request(**fields), timeout=300)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.loop.run(self.running.stop(None))
+        self.loop.close()

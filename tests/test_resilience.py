@@ -1,0 +1,236 @@
+"""Surviving faults with real processes: services killed or stalled, Redis stopped, clients
+cancelling, caches evicted. Greedy output must equal an uninterrupted run; nothing committed is lost."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from specdec.v1 import coordinator_pb2
+from tests.cluster import Cluster
+from tests.procs import Coordinator, ServiceProcess
+
+PROMPT = "def fibonacci(n):"
+LONG = dict(prompt=PROMPT, max_new_tokens=300, num_speculative_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture
+def services(models):
+    draft = ServiceProcess("draft", models["llama"]["draft"]).start()
+    target = ServiceProcess("target", models["llama"]["target"]).start()
+    yield draft, target
+    draft.stop()
+    target.stop()
+
+
+def collect(stream, after_first=None):
+    """Tokens, text and the last message of a stream; after_first() runs once the first chunk is in."""
+    tokens, text, last = [], [], None
+    for i, chunk in enumerate(stream):
+        tokens.extend(chunk.token_ids)
+        text.append(chunk.text)
+        last = chunk
+        if i == 0 and after_first:
+            after_first()
+    return tokens, "".join(text), last
+
+
+def test_target_killed_and_restarted_mid_stream(services, redis_url):
+    draft, target = services
+    coordinator = Coordinator(draft.address, target.address, session_store=redis_url)
+    try:
+        expected = list(coordinator.complete(**LONG).token_ids)
+
+        def kill_and_restart():
+            target.pause()  # freeze it mid-round, so the kill lands mid-stream
+            target.kill()
+            target.start()
+
+        tokens, _, last = collect(coordinator.stream(**LONG), after_first=kill_and_restart)
+        assert tokens == expected
+        assert last.stats.target_retries + last.stats.cache_misses >= 1
+        assert last.stats.cache_misses >= 1  # the restarted target rebuilt the session from the store
+    finally:
+        coordinator.stop()
+
+
+def test_draft_down_falls_back_to_target_only(services):
+    draft, target = services
+    coordinator = Coordinator(draft.address, target.address, draft_retry_s=0.5)
+    try:
+        expected = list(coordinator.complete(**LONG).token_ids)
+        tokens, _, last = collect(coordinator.stream(**LONG), after_first=draft.kill)
+        assert tokens == expected
+        assert last.stats.fallback_rounds > 0
+        draft.start()
+        time.sleep(0.6)
+        again = coordinator.complete(**LONG)
+        assert list(again.token_ids) == expected
+        assert again.stats.fallback_rounds == 0 and again.stats.draft_tokens > 0  # the draft is back in use
+    finally:
+        coordinator.stop()
+
+
+def test_draft_slower_than_budget_falls_back(services):
+    draft, target = services
+    coordinator = Coordinator(draft.address, target.address, draft_timeout_s=0.3, draft_retry_s=0.2)
+    try:
+        expected = list(coordinator.complete(**LONG).token_ids)
+        draft.pause()  # alive but answering nothing: every Propose overruns its budget
+        try:
+            response = coordinator.complete(**LONG)
+        finally:
+            draft.resume()
+        assert list(response.token_ids) == expected
+        assert response.stats.fallback_rounds > 0
+        assert response.stats.rounds > response.stats.generated_tokens // 2  # mostly target-only rounds
+        time.sleep(0.3)
+        after = coordinator.complete(**LONG)
+        assert list(after.token_ids) == expected and after.stats.draft_tokens > 0
+    finally:
+        coordinator.stop()
+
+
+def test_redis_stopped_then_back(models, own_redis):
+    paths = models["llama"]
+    with Cluster(paths["draft"], paths["target"],
+                 coordinator={"session_store": own_redis.url, "session_lease_s": 1.0}) as cluster:
+        first = cluster.complete(prompt=PROMPT, max_new_tokens=8, ignore_eos=True)
+        stream = cluster.stub.Generate(_request(session_id=first.session_id, prompt=" more",
+                                                max_new_tokens=400), timeout=120)
+        received, error = [], None
+        try:
+            for i, chunk in enumerate(stream):
+                received.extend(chunk.token_ids)
+                if i == 0:
+                    own_redis.stop()
+        except grpc.RpcError as exc:
+            error = exc
+        if error is not None:  # an in-flight stream ends with a clear status...
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "session store" in error.details() and "unreachable" in error.details()
+        # ...and new requests are refused the same way while Redis is down
+        with pytest.raises(grpc.RpcError) as info:
+            cluster.complete(prompt="new session", max_new_tokens=4)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "retry when it is back" in info.value.details()
+
+        own_redis.start()
+        session = cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=first.session_id))
+        stored = list(session.token_ids)
+        # every token streamed to the client was committed first
+        prompt_ids = stored[: first.stats.prompt_tokens]
+        assert stored[len(prompt_ids): len(prompt_ids) + 8] == list(first.token_ids)
+        assert stored[-len(received):] == received if received else True
+        time.sleep(1.2)  # the cut-off request's lease expires
+        more = cluster.complete(session_id=first.session_id, prompt=" again", max_new_tokens=8, ignore_eos=True)
+        assert len(more.token_ids) == 8
+        after = cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=first.session_id))
+        assert list(after.token_ids)[: len(stored)] == stored
+
+
+def _request(**fields):
+    from tests.cluster import generate_request
+
+    fields.setdefault("ignore_eos", True)
+    fields.setdefault("num_speculative_tokens", 2)
+    return generate_request(**fields)
+
+
+def _wait_released(cluster, session_id, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    target_caches = cluster.target_servicer.verifier.runner.caches
+    draft_caches = cluster.draft_servicer.proposer.runner.caches
+    while time.monotonic() < deadline:
+        if session_id not in target_caches and session_id not in draft_caches:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_cancel_or_deadline_releases_everything(models, how):
+    paths = models["llama"]
+    with Cluster(paths["draft"], paths["target"]) as cluster:
+        first = cluster.complete(prompt=PROMPT, max_new_tokens=4, ignore_eos=True)
+        sid = first.session_id
+        timeout = 0.25 if how == "deadline" else 120
+        stream = cluster.stub.Generate(_request(session_id=sid, prompt=" go", max_new_tokens=480), timeout=timeout)
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in stream:
+                if how == "cancel":
+                    stream.cancel()
+        expected = grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED
+        assert info.value.code() == expected
+        assert _wait_released(cluster, sid), "KV caches of the cancelled request were not released"
+        length = len(cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=sid)).token_ids)
+        time.sleep(0.3)
+        assert len(cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=sid)).token_ids) == length
+        assert length < first.stats.prompt_tokens + 4 + 2 + 480  # it stopped early
+        assert cluster.coordinator.engine.active == 0
+        # the session is free again and continues from what was committed
+        more = cluster.complete(session_id=sid, prompt=" on", max_new_tokens=4, ignore_eos=True)
+        assert len(more.token_ids) == 4
+
+
+def test_kv_budget_evicts_lru_and_rebuilds_transparently(models):
+    paths = models["llama"]
+    turns = [" one", " two", " three"]
+
+    def conversation(cluster):
+        sessions = [cluster.complete(prompt=p, max_new_tokens=10, ignore_eos=True) for p in ("a b", "c d")]
+        outputs = [[list(s.token_ids)] for s in sessions]
+        misses = 0
+        for turn in turns:  # interleave the two sessions
+            for i, s in enumerate(sessions):
+                r = cluster.complete(session_id=s.session_id, prompt=turn, max_new_tokens=10, ignore_eos=True)
+                outputs[i].append(list(r.token_ids))
+                misses += r.stats.cache_misses
+        return outputs, misses
+
+    with Cluster(paths["draft"], paths["target"]) as roomy:
+        expected, roomy_misses = conversation(roomy)
+    tight = {"max_sessions": 1}
+    with Cluster(paths["draft"], paths["target"], draft=tight, target=tight) as cluster:
+        got, misses = conversation(cluster)
+        assert len(cluster.target_servicer.verifier.runner.caches) == 1
+        assert cluster.target_servicer.verifier.runner.caches.evictions > 0
+    assert got == expected
+    assert roomy_misses == 0 and misses > 0
+
+
+def test_too_many_concurrent_generations(models):
+    paths = models["llama"]
+    with Cluster(paths["draft"], paths["target"], coordinator={"max_concurrent_generations": 1}) as cluster:
+        stream = cluster.stub.Generate(_request(prompt=PROMPT, max_new_tokens=480), timeout=120)
+        next(stream)
+        with pytest.raises(grpc.RpcError) as info:
+            cluster.complete(prompt="x", max_new_tokens=2)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry" in info.value.details()
+        assert dict(info.value.trailing_metadata())["retry-after-ms"] == "1000"
+        stream.cancel()
+
+
+def test_second_coordinator_continues_a_session(models, redis_url):
+    paths = models["llama"]
+    with Cluster(paths["draft"], paths["target"], coordinator={"session_store": redis_url}) as cluster:
+        ref_1 = cluster.complete(prompt=PROMPT, max_new_tokens=12, ignore_eos=True)
+        ref_2 = cluster.complete(session_id=ref_1.session_id, prompt=" next", max_new_tokens=12, ignore_eos=True)
+        first = cluster.complete(prompt=PROMPT, max_new_tokens=12, ignore_eos=True)
+        other = Coordinator(f"127.0.0.1:{cluster.draft_port}", f"127.0.0.1:{cluster.target_port}",
+                            session_store=redis_url)
+        try:
+            second = other.complete(session_id=first.session_id, prompt=" next", max_new_tokens=12,
+                                    ignore_eos=True)
+            session = other.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=first.session_id))
+        finally:
+            other.stop()
+        assert list(first.token_ids) == list(ref_1.token_ids)
+        assert list(second.token_ids) == list(ref_2.token_ids)
+        assert session.requests == 2
+        # same replicas: the second coordinator reused the services' KV caches
+        assert second.stats.target_prefill_tokens <= second.stats.prompt_tokens + 1
+        assert second.stats.cache_misses == 0
