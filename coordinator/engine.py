@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator
 
 from specdec.config import CoordinatorConfig
 from specdec.errors import (
-    CacheMiss, FailedPrecondition, InvalidArgument, ResourceExhausted, SpecdecError, Unavailable,
+    CacheMiss, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceFault, SpecdecError,
+    Unavailable,
 )
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
@@ -280,7 +281,7 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 proposal = await self._propose(run, gamma, params, draft_seed)
-            except (Unavailable, ResourceExhausted) as exc:
+            except (Unavailable, ResourceExhausted, ServiceFault) as exc:
                 self.draft_down_until = time.monotonic() + self.config.draft_retry_s
                 stats.fallback_rounds += 1
                 log.warning("draft failed (%s); target-only rounds for %.1fs", exc, self.config.draft_retry_s)

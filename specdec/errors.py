@@ -42,3 +42,7 @@ class ResourceExhausted(SpecdecError):
 
 class Unavailable(SpecdecError):
     """A dependency (service, store) cannot be reached."""
+
+
+class ServiceFault(SpecdecError):
+    """A downstream service failed unexpectedly (a bug, not bad input): reported as INTERNAL."""

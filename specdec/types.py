@@ -8,11 +8,12 @@ from specdec.errors import InvalidArgument
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as in vLLM): 1/T would overflow
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """A request's sampling warp. temperature 0 means greedy (argmax).
+    """A request's sampling warp. temperature 0 (or below 1e-5) means greedy (argmax).
 
     top_k 0 disables top-k; top_p 1.0 disables nucleus sampling.
     """
@@ -23,12 +24,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise InvalidArgument with an actionable message for out-of-range values."""
-        if not self.temperature >= 0.0 or self.temperature != self.temperature:
-            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 disables top-k), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
