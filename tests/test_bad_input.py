@@ -23,7 +23,7 @@ def status_of(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
     (dict(token_ids=[1, 10**6]), INVALID, "outside the vocabulary"),
     (dict(messages=[]), INVALID, "messages is empty"),
     (dict(messages=[("", "hi")]), INVALID, "role"),
-    (dict(prompt="hi", temperature=-0.5), INVALID, "temperature must be >= 0"),
+    (dict(prompt="hi", temperature=-0.5), INVALID, "temperature must be a finite number >= 0"),
     (dict(prompt="hi", temperature=1.0, top_p=0.0), INVALID, "top_p must be in (0, 1]"),
     (dict(prompt="hi", temperature=1.0, top_p=1.5), INVALID, "top_p must be in (0, 1]"),
     (dict(prompt="hi", temperature=1.0, top_k=-3), INVALID, "top_k must be >= 0"),

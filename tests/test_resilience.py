@@ -98,7 +98,7 @@ def test_redis_stopped_then_back(models, own_redis):
     with Cluster(paths["draft"], paths["target"],
                  coordinator={"session_store": own_redis.url, "session_lease_s": 1.0}) as cluster:
         first = cluster.complete(prompt=PROMPT, max_new_tokens=8, ignore_eos=True)
-        stream = cluster.stub.Generate(_request(session_id=first.session_id, prompt=" more",
+        stream = cluster.stub.Generate(_request(session_id=first.session_id, token_ids=[5, 6],
                                                 max_new_tokens=400), timeout=120)
         received, error = [], None
         try:
@@ -123,7 +123,9 @@ def test_redis_stopped_then_back(models, own_redis):
         # every token streamed to the client was committed first
         prompt_ids = stored[: first.stats.prompt_tokens]
         assert stored[len(prompt_ids): len(prompt_ids) + 8] == list(first.token_ids)
-        assert stored[-len(received):] == received if received else True
+        assert stored[len(prompt_ids) + 8: len(prompt_ids) + 10] == [5, 6]
+        generated_after = stored[len(prompt_ids) + 10:]
+        assert generated_after[: len(received)] == received, (generated_after, received, error)
         time.sleep(1.2)  # the cut-off request's lease expires
         more = cluster.complete(session_id=first.session_id, prompt=" again", max_new_tokens=8, ignore_eos=True)
         assert len(more.token_ids) == 8
@@ -175,7 +177,9 @@ def test_cancel_or_deadline_releases_everything(models, how):
         assert len(more.token_ids) == 4
 
 
-def test_kv_budget_evicts_lru_and_rebuilds_transparently(models):
+@pytest.mark.parametrize("tight", [{"max_sessions": 1}, {"kv_cache_bytes": 40_000}],
+                         ids=["max-sessions", "kv-bytes"])
+def test_kv_budget_evicts_lru_and_rebuilds_transparently(models, tight):
     paths = models["llama"]
     turns = [" one", " two", " three"]
 
@@ -192,11 +196,11 @@ def test_kv_budget_evicts_lru_and_rebuilds_transparently(models):
 
     with Cluster(paths["draft"], paths["target"]) as roomy:
         expected, roomy_misses = conversation(roomy)
-    tight = {"max_sessions": 1}
     with Cluster(paths["draft"], paths["target"], draft=tight, target=tight) as cluster:
         got, misses = conversation(cluster)
-        assert len(cluster.target_servicer.verifier.runner.caches) == 1
-        assert cluster.target_servicer.verifier.runner.caches.evictions > 0
+        caches = cluster.target_servicer.verifier.runner.caches
+        assert len(caches) == 1 or caches.total_bytes() <= 40_000
+        assert caches.evictions > 0
     assert got == expected
     assert roomy_misses == 0 and misses > 0
 
@@ -234,3 +238,17 @@ def test_second_coordinator_continues_a_session(models, redis_url):
         # same replicas: the second coordinator reused the services' KV caches
         assert second.stats.target_prefill_tokens <= second.stats.prompt_tokens + 1
         assert second.stats.cache_misses == 0
+
+
+def test_message_and_prompt_limits(models):
+    paths = models["llama"]
+    overrides = {"max_message_bytes": 4096, "max_prompt_tokens": 10}
+    with Cluster(paths["draft"], paths["target"], coordinator=overrides) as cluster:
+        with pytest.raises(grpc.RpcError) as info:
+            cluster.complete(prompt="x" * 10_000, max_new_tokens=2)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as info:
+            cluster.complete(token_ids=[5] * 11, max_new_tokens=2)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the limit is 10" in info.value.details()
+        assert len(cluster.complete(token_ids=[5] * 10, max_new_tokens=2).token_ids) == 2
