@@ -82,12 +82,13 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 over the vocabulary (token -> id) and the special tokens."""
-    payload = {
-        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
-        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-    }
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+    """sha256 over the vocabulary (token -> id, added tokens included).
+
+    Two models can draft for each other exactly when the same id means the same token; which
+    tokens a checkpoint calls bos or pad does not matter (the target's eos ids decide stopping).
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
