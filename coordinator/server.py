@@ -75,21 +75,18 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         except ModelLoadError as exc:
             raise StartupError(f"{exc}; set --tokenizer") from exc
         check_compatible(draft_info, target_info, tokenizer_fingerprint(tokenizer))
+        try:
+            store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
     except StartupError:
         await draft.close()
         await target.close()
         raise
     try:
-        store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s)
-    except ValueError as exc:
-        await draft.close()
-        await target.close()
-        raise StartupError(str(exc)) from exc
-    if hasattr(store, "ping"):
-        try:
-            await store.ping()
-        except SpecdecError as exc:  # serve anyway: requests answer UNAVAILABLE until it is back
-            log.warning("%s", exc)
+        await store.ping()
+    except SpecdecError as exc:  # serve anyway: requests answer UNAVAILABLE until it is back
+        log.warning("%s", exc)
     engine = Engine(config, store, draft, target, tokenizer, draft_info, target_info)
     servicer = CoordinatorServicer(engine)
     server, port = await build_aio_server(

@@ -49,6 +49,9 @@ class SessionStore(Protocol):
 
     async def delete(self, session_id: str) -> bool: ...
 
+    async def ping(self) -> None:
+        """Unavailable when the store cannot be reached."""
+
     async def close(self) -> None: ...
 
 
@@ -107,6 +110,9 @@ class MemorySessionStore:
         async with self._lock:
             self._leased.discard(session_id)
             return self._records.pop(session_id, None) is not None
+
+    async def ping(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None

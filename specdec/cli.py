@@ -161,11 +161,9 @@ def _up(args: argparse.Namespace) -> int:
         print(f"specdec up: coordinator on {addresses['coordinator']} (draft {draft_model}, "
               f"target {target_model}); Ctrl-C stops all", flush=True)
         if args.prompt is not None:
-            gen_args = argparse.Namespace(
-                address=addresses["coordinator"], prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                temperature=0.0, top_k=0, top_p=1.0, seed=None, gamma=None, json=False, session="",
-                stop=[], ignore_eos=False, chat=args.chat, timeout=600.0)
-            return _generate(gen_args)
+            gen_argv = ["generate", "--address", addresses["coordinator"], "--max-new-tokens",
+                        str(args.max_new_tokens), *(["--chat"] if args.chat else []), args.prompt]
+            return _generate(build_parser().parse_args(gen_argv))
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         return 1
