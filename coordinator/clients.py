@@ -52,11 +52,11 @@ class DraftClient(ServiceClient):
                                    timeout_s=timeout_s)
         return model_info_from_pb(response.info)
 
-    async def propose(self, session_id: str, prefix_len: int, new_tokens: list[int], gamma: int,
-                      params: SamplingParams, seed: int, timeout_s: float | None = None) -> Proposal:
+    async def propose(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
+                      gamma: int, params: SamplingParams, seed: int, timeout_s: float | None = None) -> Proposal:
         """Fails fast (no waiting for a connection): a missing draft makes the round target-only."""
         request = draft_pb2.ProposeRequest(
-            session_id=session_id, prefix_len=prefix_len, new_tokens=new_tokens,
+            session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed,
         )
         response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False)
@@ -80,10 +80,12 @@ class TargetClient(ServiceClient):
                                    timeout_s=timeout_s)
         return model_info_from_pb(response.info)
 
-    async def verify(self, session_id: str, prefix_len: int, new_tokens: list[int], drafts: list[int],
-                     draft_probs: list[SparseDist], params: SamplingParams, seed: int) -> Verdict:
+    async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
+                     drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams,
+                     seed: int) -> Verdict:
         request = target_pb2.VerifyRequest(
-            session_id=session_id, prefix_len=prefix_len, new_tokens=new_tokens, draft_tokens=drafts,
+            session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
+            draft_tokens=drafts,
             draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
             sampling=sampling_to_pb(params), seed=seed,
         )

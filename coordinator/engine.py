@@ -13,6 +13,7 @@ from specdec.errors import (
     CacheMiss, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceFault, SpecdecError,
     Unavailable,
 )
+from specdec.fingerprint import PrefixHashes
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
@@ -64,7 +65,12 @@ class _Run:
 
     record: SessionRecord
     stats: GenerationStats
+    hashes: PrefixHashes = field(default_factory=PrefixHashes)  # fingerprints of record.token_ids' prefixes
     calls: dict[str, int] = field(default_factory=lambda: {"draft": 0, "target": 0})
+
+    def commit(self, tokens: list[int]) -> None:
+        self.record.token_ids.extend(tokens)
+        self.hashes.extend(tokens)
 
 
 class Engine:
@@ -202,8 +208,8 @@ class Engine:
     async def _run(self, request: GenerationRequest, record: SessionRecord, added: list[int],
                    max_new: int, gamma: int) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
-        run = _Run(record, GenerationStats(prompt_tokens=len(added)))
-        record.token_ids.extend(added)
+        run = _Run(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids))
+        run.commit(added)
         record.requests += 1
         self._forget_other_replicas(record)
         await self.store.save(record)
@@ -239,7 +245,7 @@ class Engine:
                     if len(generated) >= max_new:
                         finish = FINISH_LENGTH
                         break
-                record.token_ids.extend(round_tokens)
+                run.commit(round_tokens)
                 record.draft_held = min(record.draft_held, len(record.token_ids))
                 record.target_held = min(record.target_held, len(record.token_ids))
                 run.stats.generated_tokens = len(generated)
@@ -248,7 +254,10 @@ class Engine:
                 end = stops.safe_length(text)
             else:
                 if finish != FINISH_STOP:
-                    text += detok.flush()
+                    text += detok.flush()  # the last characters may complete a stop string
+                    hit = stops.find(text, searched)
+                    if hit >= 0:
+                        text, finish = text[:hit], FINISH_STOP
                 end = len(text)
             chunk = Chunk(record.session_id, text[streamed:end] if end > streamed else "", round_tokens)
             streamed = max(streamed, end)
@@ -281,7 +290,7 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 proposal = await self._propose(run, gamma, params, draft_seed)
-            except (Unavailable, ResourceExhausted, ServiceFault) as exc:
+            except (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument) as exc:
                 self.draft_down_until = time.monotonic() + self.config.draft_retry_s
                 stats.fallback_rounds += 1
                 log.warning("draft failed (%s); target-only rounds for %.1fs", exc, self.config.draft_retry_s)
@@ -299,13 +308,14 @@ class Engine:
     async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
         sid = run.record.session_id
         return await self._with_resend(run, "draft", lambda prefix, new_tokens: self.draft.propose(
-            sid, prefix, new_tokens, gamma, params, seed, timeout_s=self.config.draft_timeout_s))
+            sid, prefix, run.hashes.at(prefix), new_tokens, gamma, params, seed,
+            timeout_s=self.config.draft_timeout_s))
 
     async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
                       seed: int) -> Verdict:
         sid = run.record.session_id
         return await self._with_resend(run, "target", lambda prefix, new_tokens: self.target.verify(
-            sid, prefix, new_tokens, drafts, proposal.draft_probs, params, seed),
+            sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed),
             retry_s=self.config.target_retry_s)
 
     async def _with_resend(self, run: _Run, service: str, call, retry_s: float = 0.0):
@@ -317,7 +327,8 @@ class Engine:
         give_up_at: float | None = None
         backoff = 0.1
         while True:
-            prefix = getattr(record, held_attr)
+            # a service holding every committed token still needs one to run: resend the last
+            prefix = min(getattr(record, held_attr), len(record.token_ids) - 1)
             new_tokens = record.token_ids[prefix:]
             try:
                 result = await call(prefix, new_tokens)

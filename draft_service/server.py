@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import grpc
-
 from specdec.config import DraftConfig
-from specdec.rpc.server import start_model_server
+from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.runner import runner_from_config
+from specdec.runtime.worker import ModelWorker
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 from draft_service.proposer import ModelProposer
@@ -16,10 +15,12 @@ DEFAULT_PORT = 50052
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-def start(config: DraftConfig) -> tuple[grpc.Server, int, DraftServicer]:
+def start(config: DraftConfig) -> tuple[BackgroundServer, int, DraftServicer]:
     """Load the model and serve it; returns (server, bound port, servicer)."""
     runner = runner_from_config(config)
-    servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description)
+    worker = ModelWorker(config.max_queue, name="draft-model")
+    servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description, worker)
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
-                                      draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)
+                                      draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,
+                                      on_stop=worker.close)
     return server, port, servicer

@@ -1,35 +1,35 @@
-"""gRPC servicer of the draft tier: protobuf in, domain call, protobuf out."""
+"""gRPC servicer of the draft tier: protobuf in, domain call on the model worker, protobuf out."""
 
 from __future__ import annotations
 
-from specdec.errors import InvalidArgument
 from specdec.rpc.convert import dist_to_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
+from specdec.runtime.calls import deadline_of, run_call
+from specdec.runtime.worker import ModelWorker
 from specdec.types import ModelDescription
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
-from draft_service.proposer import Proposer
+from draft_service.proposer import ModelProposer
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, description: ModelDescription):
+    def __init__(self, proposer: ModelProposer, description: ModelDescription, worker: ModelWorker):
         self.proposer = proposer
         self.description = description
+        self.worker = worker
 
     @map_errors
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         return draft_pb2.DraftServiceGetModelInfoResponse(info=model_info_to_pb(self.description))
 
     @map_errors
-    def Propose(self, request: draft_pb2.ProposeRequest, context):
-        gamma = request.num_speculative_tokens
-        limit = self.description.max_speculative_tokens
-        if not 1 <= gamma <= limit:
-            raise InvalidArgument(f"num_speculative_tokens must be in [1, {limit}], got {gamma}")
-        proposal = self.proposer.propose(
-            request.session_id, request.prefix_len, list(request.new_tokens), gamma,
-            sampling_from_pb(request.sampling), request.seed,
+    async def Propose(self, request: draft_pb2.ProposeRequest, context):
+        call = self.proposer.call(
+            request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
+            request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
         )
+        proposal = await run_call(self.worker, self.proposer.runner, call, self.proposer.propose,
+                                  deadline_of(context))
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             draft_probs=[dist_to_pb(d) for d in proposal.draft_probs],
@@ -37,5 +37,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     @map_errors
-    def Release(self, request, context):
+    async def Release(self, request, context):
         return draft_pb2.DraftServiceReleaseResponse(released=self.proposer.release(request.session_id))

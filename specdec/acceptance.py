@@ -1,15 +1,16 @@
 """The acceptance step of speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
 
-One pure function: given γ draft tokens, the distributions q they were drawn
-from and the target distributions p at the γ+1 positions, return the accepted
-drafts plus one recovered (at the first rejection) or bonus (all accepted)
-token. The output is distributed exactly as p, whatever q is.
+One pure function per mode: given γ draft tokens, the distributions q they were drawn from
+and the target distributions p at the γ+1 positions, return the accepted drafts plus one
+recovered (at the first rejection) or bonus (all accepted) token. The output is distributed
+exactly as p, whatever q is — a one-hot q (prompt lookup) included.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.sampling import sample
 from specdec.types import Verdict
@@ -30,35 +31,35 @@ def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
 
 def accept_sampled(
     draft_tokens: list[int],
-    draft_probs: torch.Tensor,
+    draft_q: DraftQ,
     target_probs: torch.Tensor,
     generator: torch.Generator,
 ) -> Verdict:
     """Speculative sampling.
 
-    draft_tokens: γ ids; draft_probs q: [γ, vocab]; target_probs p: [γ+1, vocab];
-    both float32 on the generator's device.
+    draft_tokens: γ ids; draft_q: the γ sparse rows of q; target_probs p: [γ+1, vocab]
+    float32 on the generator's device. Accept dᵢ with probability min(1, p(dᵢ)/q(dᵢ)); at the
+    first rejection draw from normalize(max(0, pᵢ − qᵢ)), else a bonus token from p_γ.
     """
     gamma = len(draft_tokens)
-    if draft_probs.shape[0] != gamma or target_probs.shape[0] != gamma + 1:
+    if len(draft_q) != gamma or target_probs.shape[0] != gamma + 1:
         raise InvalidArgument(
             f"expected {gamma} draft distributions and {gamma + 1} target rows, "
-            f"got {draft_probs.shape[0]} and {target_probs.shape[0]}"
+            f"got {len(draft_q)} and {target_probs.shape[0]}"
         )
-    accept_probs: list[float] = []
-    for i, token in enumerate(draft_tokens):
-        p = float(target_probs[i, token])
-        q = float(draft_probs[i, token])
-        if q <= 0.0:
-            raise InvalidArgument(
-                f"draft token {token} at position {i} has probability 0 in its own proposal distribution"
-            )
-        ratio = min(1.0, p / q)
-        accept_probs.append(ratio)
-        u = float(torch.rand((), generator=generator, device=generator.device))
-        if u >= ratio:
-            residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)  # [vocab]
-            total = float(residual.sum())
-            recovered = sample(residual / total if total > 0 else target_probs[i], generator)
-            return Verdict(i, recovered, False, accept_probs)
-    return Verdict(gamma, sample(target_probs[gamma], generator), True, accept_probs)
+    if gamma == 0:
+        return Verdict(0, sample(target_probs[0], generator), True, [])
+    device = target_probs.device
+    drafts = torch.tensor(draft_tokens, dtype=torch.long, device=device)  # [γ]
+    p_of_drafts = target_probs[torch.arange(gamma, device=device), drafts]  # [γ]
+    ratio = torch.clamp(p_of_drafts / draft_q.of_drafts, max=1.0)  # [γ]
+    u = torch.rand(gamma, generator=generator, device=generator.device)  # [γ]
+    rejected = torch.cat([(u >= ratio), torch.ones(1, dtype=torch.bool, device=device)])  # [γ+1]
+    ratios = ratio.tolist()
+    first = int(rejected.int().argmax())  # the one host sync of the decision
+    if first == gamma:
+        return Verdict(gamma, sample(target_probs[gamma], generator), True, ratios)
+    residual = draft_q.residual(first, target_probs[first])  # [vocab]
+    total = float(residual.sum())
+    recovered = sample(residual / total if total > 0 else target_probs[first], generator)
+    return Verdict(first, recovered, False, ratios[: first + 1])

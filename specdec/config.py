@@ -35,7 +35,9 @@ class ModelServiceConfig:
     max_sessions: int = opt(256, "most sessions whose KV cache is kept (LRU beyond)")
     kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond)")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
-    max_workers: int = opt(16, "gRPC worker threads")
+    prefill_chunk: int = opt(512, "longest input run in one forward; longer prompts are prefilled in "
+                             "chunks, with other sessions' calls in between")
+    max_queue: int = opt(256, "calls waiting for the model at most; more get RESOURCE_EXHAUSTED")
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")
     trust_remote_code: bool = opt(False, "allow model code from the checkpoint (hub models only)")
 

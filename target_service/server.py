@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import grpc
-
 from specdec.config import TargetConfig
-from specdec.rpc.server import start_model_server
+from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.runner import runner_from_config
+from specdec.runtime.worker import ModelWorker
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 from target_service.servicer import TargetServicer
@@ -16,10 +15,12 @@ DEFAULT_PORT = 50053
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
-def start(config: TargetConfig) -> tuple[grpc.Server, int, TargetServicer]:
+def start(config: TargetConfig) -> tuple[BackgroundServer, int, TargetServicer]:
     """Load the model and serve it; returns (server, bound port, servicer)."""
     runner = runner_from_config(config)
-    servicer = TargetServicer(Verifier(runner), runner.description)
+    worker = ModelWorker(config.max_queue, name="target-model")
+    servicer = TargetServicer(Verifier(runner), runner.description, worker)
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
-                                      target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME)
+                                      target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
+                                      on_stop=worker.close)
     return server, port, servicer

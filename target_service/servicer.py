@@ -1,9 +1,11 @@
-"""gRPC servicer of the target tier: protobuf in, domain call, protobuf out."""
+"""gRPC servicer of the target tier: protobuf in, domain call on the model worker, protobuf out."""
 
 from __future__ import annotations
 
 from specdec.rpc.convert import dist_from_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
+from specdec.runtime.calls import deadline_of, run_call
+from specdec.runtime.worker import ModelWorker
 from specdec.types import ModelDescription
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -11,21 +13,24 @@ from target_service.verifier import Verifier
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, verifier: Verifier, description: ModelDescription):
+    def __init__(self, verifier: Verifier, description: ModelDescription, worker: ModelWorker):
         self.verifier = verifier
         self.description = description
+        self.worker = worker
 
     @map_errors
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         return target_pb2.TargetServiceGetModelInfoResponse(info=model_info_to_pb(self.description))
 
     @map_errors
-    def Verify(self, request: target_pb2.VerifyRequest, context):
-        verdict = self.verifier.verify(
-            request.session_id, request.prefix_len, list(request.new_tokens),
+    async def Verify(self, request: target_pb2.VerifyRequest, context):
+        call = self.verifier.call(
+            request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
             sampling_from_pb(request.sampling), request.seed,
         )
+        verdict = await run_call(self.worker, self.verifier.runner, call, self.verifier.verify,
+                                 deadline_of(context))
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             is_bonus=verdict.is_bonus, accept_probs=verdict.accept_probs,
@@ -33,5 +38,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
     @map_errors
-    def Release(self, request, context):
+    async def Release(self, request, context):
         return target_pb2.TargetServiceReleaseResponse(released=self.verifier.release(request.session_id))

@@ -35,7 +35,7 @@ class ServiceProcess:
 
     def start(self) -> "ServiceProcess":
         command = [sys.executable, "-m", "specdec.cli", "serve", self.kind, "--model", self.model,
-                   "--dtype", self.dtype, "--port", str(self.port), "--max-workers", "4", *self.extra]
+                   "--dtype", self.dtype, "--port", str(self.port), *self.extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         wait_healthy(self.address, 120, [self.proc])

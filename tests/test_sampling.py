@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.acceptance import accept_greedy, accept_sampled
+from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.rng import RequestRng, make_generator
 from specdec.sampling import densify, target_probs, truncate_top_k, warp_logits
@@ -95,7 +96,7 @@ def _one_hot(ids, vocab):
 def test_sampled_perfect_match_accepts_all_and_samples_bonus():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # [γ+1, vocab]
     q = _one_hot([1, 2], 3)
-    verdict = accept_sampled([1, 2], q, p, make_generator(0))
+    verdict = accept_sampled([1, 2], DraftQ.from_dense(q, [1, 2]), p, make_generator(0))
     assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (2, 0, True)
     assert verdict.accept_probs == [1.0, 1.0]
 
@@ -105,7 +106,7 @@ def test_sampled_early_mismatch_recovers_from_residual():
     p = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
     q = torch.tensor([[0.8, 0.2, 0.0]])
     for seed in range(20):
-        verdict = accept_sampled([0], q, p, make_generator(seed))
+        verdict = accept_sampled([0], DraftQ.from_dense(q, [0]), p, make_generator(seed))
         assert verdict.num_accepted == 0 and not verdict.is_bonus
         # residual = [0, 0.3, 0.5] -> never token 0
         assert verdict.next_token in (1, 2)
@@ -114,7 +115,7 @@ def test_sampled_early_mismatch_recovers_from_residual():
 
 def test_sampled_no_drafts_samples_from_p():
     p = torch.tensor([[0.0, 0.0, 1.0]])
-    verdict = accept_sampled([], p[:0], p, make_generator(1))
+    verdict = accept_sampled([], DraftQ.from_dense(p[:0], []), p, make_generator(1))
     assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (0, 2, True)
 
 
@@ -122,23 +123,23 @@ def test_q_with_zeros_off_the_sampled_token_is_fine():
     # a top-K truncated q: zeros everywhere but the kept tokens
     p = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
-    verdict = accept_sampled([1], q, p, make_generator(3))
+    verdict = accept_sampled([1], DraftQ.from_dense(q, [1]), p, make_generator(3))
     assert verdict.accept_probs == [0.25]
 
 
 def test_q_zero_on_the_drafted_token_is_rejected():
     p = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
     with pytest.raises(InvalidArgument):
-        accept_sampled([0], torch.tensor([[0.0, 1.0]]), p, make_generator(0))
+        accept_sampled([0], DraftQ.from_dense(torch.tensor([[0.0, 1.0]]), [0]), p, make_generator(0))
 
 
 def test_seeded_determinism():
     p = torch.softmax(torch.randn(4, 10, generator=torch.Generator().manual_seed(5)), dim=-1)
     q = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(6)), dim=-1)
     drafts = [int(q[i].argmax()) for i in range(3)]
-    runs = [accept_sampled(drafts, q, p, make_generator(42)) for _ in range(3)]
+    runs = [accept_sampled(drafts, DraftQ.from_dense(q, drafts), p, make_generator(42)) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
-    others = {accept_sampled(drafts, q, p, make_generator(s)).committed(drafts).__repr__() for s in range(40)}
+    others = {accept_sampled(drafts, DraftQ.from_dense(q, drafts), p, make_generator(s)).committed(drafts).__repr__() for s in range(40)}
     assert len(others) > 1  # different seeds do give different outcomes
     rng_a, rng_b = RequestRng(7), RequestRng(7)
     assert [rng_a.next_seed() for _ in range(5)] == [rng_b.next_seed() for _ in range(5)]
@@ -161,7 +162,7 @@ def _emitted_distribution(p_rows, q_rows, draws, gamma, seed=0):
     second = np.zeros(vocab)
     for _ in range(draws):
         drafts = [int(torch.multinomial(q_rows[i], 1, generator=generator)) for i in range(gamma)]
-        verdict = accept_sampled(drafts, q_rows[:gamma], p_rows[: gamma + 1], generator)
+        verdict = accept_sampled(drafts, DraftQ.from_dense(q_rows[:gamma], drafts), p_rows[: gamma + 1], generator)
         tokens = verdict.committed(drafts)
         first[tokens[0]] += 1
         if len(tokens) > 1:

@@ -11,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.server import StartupError, start as start_coordinator
 from specdec import tiny
+from specdec.fingerprint import fingerprint
 from specdec.config import CoordinatorConfig, TargetConfig
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service import server as target_server
@@ -67,8 +68,8 @@ def test_propose_returns_truncated_distribution_it_sampled_from(llama_cluster):
             assert list(dist.probs) == sorted(dist.probs, reverse=True)
         assert response.cached_len == 3 + 4 - 1
         again = draft.Propose(draft_pb2.ProposeRequest(
-            session_id="dist", prefix_len=3, new_tokens=[8], num_speculative_tokens=4,
-            sampling=sampling, seed=3))
+            session_id="dist", prefix_len=3, prefix_hash=fingerprint([5, 6, 7]), new_tokens=[8],
+            num_speculative_tokens=4, sampling=sampling, seed=3))
         assert again.cached_len == 4 + 3  # rolled back to 3, appended one, fed three drafts
         draft.Release(draft_pb2.DraftServiceReleaseRequest(session_id="dist"))
 
@@ -87,7 +88,7 @@ def test_kv_caches_are_bounded_lru(models, tmp_path):
             assert caches.evictions == 1
             with pytest.raises(grpc.RpcError) as info:
                 target.Verify(target_pb2.VerifyRequest(session_id="a", prefix_len=3, new_tokens=[4],
-                                                       sampling=GREEDY))
+                                                       prefix_hash=fingerprint([1, 2, 3]), sampling=GREEDY))
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             # the byte budget evicts too
             caches.max_bytes = caches.total_bytes() // 2

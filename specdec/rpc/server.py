@@ -1,8 +1,10 @@
-"""Build gRPC servers with health checking and reflection, sync or asyncio."""
+"""Build asyncio gRPC servers with health checking and reflection."""
 
 from __future__ import annotations
 
-from concurrent import futures
+import asyncio
+import concurrent.futures
+import threading
 from typing import Callable, Iterable
 
 import grpc
@@ -36,23 +38,6 @@ def _bind(server, host: str, port: int) -> int:
     return bound
 
 
-def build_sync_server(register: Callable[[grpc.Server], None], service_names: Iterable[str],
-                      host: str, port: int, max_workers: int, max_message_bytes: int
-                      ) -> tuple[grpc.Server, int]:
-    """A started thread-pool server; returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=channel_options(max_message_bytes))
-    register(server)
-    health_servicer = health.HealthServicer()
-    names = list(service_names)
-    _add_health_and_reflection(server, health_servicer, names)
-    bound = _bind(server, host, port)
-    server.start()
-    for name in ["", *names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
-
-
 async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_names: Iterable[str],
                            host: str, port: int, max_message_bytes: int
                            ) -> tuple[grpc.aio.Server, int]:
@@ -69,8 +54,50 @@ async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_
     return server, bound
 
 
-def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str
-                       ) -> tuple[grpc.Server, int]:
+class BackgroundServer:
+    """An asyncio gRPC server running on its own event-loop thread (the draft and target
+    services: their model work runs on a model worker thread, so this loop only moves
+    messages and answers health checks). `stop(grace).wait()` stops it, like grpc.Server."""
+
+    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 on_stop: Callable[[], None] | None = None):
+        self.server = server
+        self.loop = loop
+        self.thread = thread
+        self.on_stop = on_stop
+        self._stopping: concurrent.futures.Future | None = None
+
+    def stop(self, grace: float | None) -> "BackgroundServer":
+        if self._stopping is None:
+            self._stopping = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop)
+        return self
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._stopping is None:
+            asyncio.run_coroutine_threadsafe(self.server.wait_for_termination(), self.loop).result(timeout)
+            return
+        self._stopping.result(timeout)
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            if self.on_stop is not None:
+                self.on_stop()
+
+
+def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str,
+                       on_stop: Callable[[], None] | None = None) -> tuple[BackgroundServer, int]:
     """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
-    return build_sync_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
-                             config.port or default_port, config.max_workers, config.max_message_bytes)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=f"{service_name}-grpc", daemon=True)
+    thread.start()
+    build = build_aio_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
+                             config.port or default_port, config.max_message_bytes)
+    try:
+        server, port = asyncio.run_coroutine_threadsafe(build, loop).result(60)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        if on_stop is not None:
+            on_stop()
+        raise
+    return BackgroundServer(server, loop, thread, on_stop), port

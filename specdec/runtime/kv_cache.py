@@ -3,19 +3,38 @@
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from transformers import DynamicCache
+
+from specdec.fingerprint import PrefixHashes
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
 class SessionCache:
-    """The KV cache of one session and the token ids it holds, in order."""
+    """The KV cache of one session, the token ids it holds and their prefix fingerprints."""
 
     cache: Any = field(default_factory=DynamicCache)
-    tokens: list[int] = field(default_factory=list)
+    tokens: array = field(default_factory=lambda: array("i"))
+    hashes: PrefixHashes = field(default_factory=PrefixHashes)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -29,6 +48,15 @@ class SessionCache:
                     total += tensor.numel() * tensor.element_size()
         return total
 
+    def append(self, tokens: Sequence[int]) -> None:
+        """Record tokens the model has just run (their K/V are in `cache`)."""
+        self.tokens.extend(tokens)
+        self.hashes.extend(tokens)
+
+    def holds(self, length: int, prefix_hash: int) -> bool:
+        """True when the first `length` cached tokens have this fingerprint."""
+        return length <= len(self.tokens) and self.hashes.at(length) == prefix_hash
+
     def crop(self, length: int) -> bool:
         """Keep the first `length` tokens. False when this cache cannot be cropped."""
         remove = len(self.tokens) - length
@@ -38,6 +66,7 @@ class SessionCache:
             return False
         self.cache.crop(-remove)  # transformers >= 5: a negative count removes that many tokens
         del self.tokens[length:]
+        self.hashes.truncate(length)
         return True
 
 
@@ -66,6 +95,12 @@ class SessionCaches:
     def release(self, session_id: str) -> bool:
         with self._lock:
             return self._entries.pop(session_id, None) is not None
+
+    def discard(self, session_id: str, entry: SessionCache) -> None:
+        """Drop the session's cache if it is still `entry` (a failed forward left it inconsistent)."""
+        with self._lock:
+            if self._entries.get(session_id) is entry:
+                del self._entries[session_id]
 
     def __len__(self) -> int:
         return len(self._entries)

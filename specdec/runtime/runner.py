@@ -1,14 +1,21 @@
-"""Run a causal LM over sessions: roll back, append tokens, return logits."""
+"""Run a causal LM over sessions: roll back, append tokens, return logits.
+
+A runner is driven by one model worker thread (specdec/runtime/worker.py), so its methods
+never run concurrently and need no lock. Long inputs are prefilled in chunks
+(`prefill_step`), each a separate worker task, so one long prompt does not hold the model
+for every other session.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
+from array import array
+from typing import Sequence
 
 import torch
 
 from specdec.errors import CacheMiss, InvalidArgument, ResourceExhausted
-from specdec.runtime.kv_cache import SessionCache, SessionCaches
+from specdec.runtime.kv_cache import SessionCache, SessionCaches, common_prefix
 from specdec.runtime.loader import (
     LoadedModel,
     eos_token_ids,
@@ -21,14 +28,15 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """One model, many sessions. Calls are serialised by a lock (one forward at a time)."""
+    """One model, many sessions."""
 
-    def __init__(self, loaded: LoadedModel, caches: SessionCaches, max_speculative_tokens: int):
+    def __init__(self, loaded: LoadedModel, caches: SessionCaches, max_speculative_tokens: int,
+                 prefill_chunk: int = 512):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.caches = caches
-        self.lock = threading.Lock()
+        self.prefill_chunk = max(1, prefill_chunk)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.embedding_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = max_context_length(self.model, loaded.tokenizer)
@@ -44,7 +52,9 @@ class ModelRunner:
             max_speculative_tokens=max_speculative_tokens,
         )
 
-    def check_request(self, session_id: str, prefix_len: int, new_tokens: list[int], extra: int) -> None:
+    # ---- validation (no cache access) -----------------------------------------------------
+
+    def check_request(self, session_id: str, prefix_len: int, new_tokens: Sequence[int], extra: int) -> None:
         """Validate a call's shape before touching any cache."""
         if not session_id:
             raise InvalidArgument("session_id is required")
@@ -59,50 +69,102 @@ class ModelRunner:
                 f"sequence of {total} tokens exceeds the model context of {self.context_length}"
             )
 
-    def check_token_ids(self, ids: list[int], what: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.embedding_size]
-        if bad:
+    def check_token_ids(self, ids: Sequence[int], what: str) -> None:
+        if ids and not (0 <= min(ids) and max(ids) < self.embedding_size):
+            bad = [t for t in ids if not 0 <= t < self.embedding_size]
             raise InvalidArgument(
                 f"{what} holds ids outside the vocabulary [0, {self.embedding_size}): {bad[:5]}"
             )
 
-    def session(self, session_id: str, prefix_len: int) -> SessionCache:
-        """The session's cache rolled back to prefix_len; a fresh one when prefix_len is 0."""
-        if prefix_len == 0:
-            entry = SessionCache()
-            self.caches.put(session_id, entry)
-            return entry
+    def needs_prefill_steps(self, new_tokens: Sequence[int]) -> bool:
+        """True when the input is long enough to be prefilled in several worker tasks."""
+        return len(new_tokens) > self.prefill_chunk
+
+    # ---- session state (worker thread only) -----------------------------------------------
+
+    def _held(self, session_id: str, prefix_len: int, prefix_hash: int) -> SessionCache:
+        """The session's cache, checked to hold the assumed prefix; CacheMiss otherwise."""
         entry = self.caches.get(session_id)
-        held = 0 if entry is None else len(entry)
-        if entry is None or held < prefix_len or not entry.crop(prefix_len):
-            raise CacheMiss(session_id, held, prefix_len)
+        if entry is None or not entry.holds(prefix_len, prefix_hash):
+            raise CacheMiss(session_id, 0 if entry is None else len(entry), prefix_len)
         return entry
 
+    def _reusing(self, session_id: str, sequence: Sequence[int], limit: int) -> SessionCache:
+        """The session's cache cropped to its longest common prefix with sequence[:limit]
+        (a fresh cache when nothing is shared)."""
+        entry = self.caches.get(session_id)
+        keep = 0 if entry is None else common_prefix(entry.tokens, sequence[:limit])
+        if entry is None or keep == 0 or not entry.crop(keep):
+            entry = SessionCache()
+            self.caches.put(session_id, entry)
+        return entry
+
+    def begin(self, session_id: str, prefix_len: int, prefix_hash: int,
+              new_tokens: Sequence[int]) -> tuple[SessionCache, Sequence[int]]:
+        """Roll the session back to what the call assumes: (cache, tokens still to run).
+
+        prefix_len 0 assumes nothing: the call carries the whole history and the cache keeps
+        whatever prefix of it it already holds (a resend after a timeout or a cache miss
+        reuses the finished work). The last token is always run again, for its logits.
+        """
+        if prefix_len == 0:
+            entry = self._reusing(session_id, new_tokens, len(new_tokens) - 1)
+            return entry, new_tokens[len(entry):]
+        entry = self._held(session_id, prefix_len, prefix_hash)
+        if not entry.crop(prefix_len):
+            raise CacheMiss(session_id, len(entry), prefix_len)
+        return entry, new_tokens
+
+    def held_prefix(self, session_id: str, prefix_len: int, prefix_hash: int) -> array:
+        """The first prefix_len tokens the session holds, checked against the fingerprint."""
+        if prefix_len == 0:
+            return array("i")
+        return self._held(session_id, prefix_len, prefix_hash).tokens[:prefix_len]
+
+    def prefill_step(self, session_id: str, sequence: Sequence[int], upto: int) -> tuple[int, int]:
+        """Advance the session towards holding sequence[:upto] by at most one chunk.
+
+        Safe to interleave with other calls on the session: each step starts from the longest
+        common prefix of what the cache holds. Returns (tokens held, their fingerprint).
+        """
+        entry = self._reusing(session_id, sequence, upto)
+        held = len(entry)
+        if held < upto:
+            self.forward(session_id, entry, sequence[held:min(held + self.prefill_chunk, upto)], 1)
+        self.finish(session_id)
+        return len(entry), entry.hashes.at(len(entry))
+
     @torch.inference_mode()
-    def forward(self, entry: SessionCache, tokens: list[int], keep_logits: int) -> torch.Tensor:
+    def forward(self, session_id: str, entry: SessionCache, tokens: Sequence[int],
+                keep_logits: int) -> torch.Tensor:
         """Append tokens to the session; return float32 logits of the last keep_logits positions.
 
-        -> [keep_logits, vocab]
+        -> [keep_logits, vocab]. A forward that fails part-way may leave layers that disagree:
+        the session's cache is then dropped, so the next call rebuilds it.
         """
-        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
         try:
             out = self.model(input_ids=input_ids, cache=entry.cache, use_cache=True,
                              logits_to_keep=keep_logits)
-        except torch.OutOfMemoryError as exc:
-            raise ResourceExhausted(f"out of device memory running {len(tokens)} tokens: {exc}") from exc
+        except BaseException as exc:
+            self.caches.discard(session_id, entry)
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise ResourceExhausted(f"out of device memory running {len(tokens)} tokens: {exc}") from exc
+            raise
         entry.cache = out.cache
-        entry.tokens.extend(tokens)
+        entry.append(tokens)
         return out.logits[0, -keep_logits:].float()  # [keep_logits, vocab]
 
     def finish(self, session_id: str) -> None:
         """Apply the cache bounds after a call (never evicting the session just used)."""
         evicted = self.caches.enforce_limits(keep=session_id)
         if evicted:
-            log.info("evicted %d session cache(s): %s", len(evicted), evicted)
+            log.info("evicted %d session cache(s)", len(evicted))
 
     def release(self, session_id: str) -> bool:
-        with self.lock:
-            return self.caches.release(session_id)
+        """Forget a session's cache. Never waits for the model: a forward running on it keeps
+        its own reference and the memory is freed when it ends."""
+        return self.caches.release(session_id)
 
 
 def runner_from_config(config) -> ModelRunner:
@@ -111,4 +173,4 @@ def runner_from_config(config) -> ModelRunner:
 
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code)
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
-    return ModelRunner(loaded, caches, config.max_speculative_tokens)
+    return ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)

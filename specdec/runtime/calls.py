@@ -1,0 +1,53 @@
+"""Running one Propose / Verify call on the model worker, long inputs in chunks.
+
+A call whose new tokens exceed the runner's prefill chunk is split into prefill steps, each a
+separate task on the worker, so other sessions' rounds run in between. A step whose caller's
+deadline has passed is never started; the steps already done stay in the cache, and a resend
+(prefix_len 0 with the full history) picks up where they ended instead of starting again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from array import array
+from typing import Any, Callable, Protocol, Sequence, TypeVar
+
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.worker import ModelWorker
+
+R = TypeVar("R")
+
+
+class SessionCall(Protocol):
+    session_id: str
+    prefix_len: int
+    prefix_hash: int
+    new_tokens: Sequence[int]
+
+
+C = TypeVar("C", bound=SessionCall)
+
+
+def deadline_of(context: Any) -> float | None:
+    """The gRPC call's deadline as a time.monotonic() value (None: no deadline)."""
+    remaining = context.time_remaining() if context is not None else None
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def run_call(worker: ModelWorker, runner: ModelRunner, call: C, final: Callable[[C], R],
+                   deadline: float | None) -> R:
+    """Prefill the call's input in chunks when it is long, then run final(call) on the worker."""
+    if runner.needs_prefill_steps(call.new_tokens):
+        held = await worker.run(runner.held_prefix, call.session_id, call.prefix_len, call.prefix_hash,
+                                deadline=deadline)
+        sequence = held + array("i", call.new_tokens)
+        upto = len(sequence) - 1  # the last token runs with the final step, for its logits
+        while True:
+            length, prefix_hash = await worker.run(runner.prefill_step, call.session_id, sequence, upto,
+                                                   deadline=deadline)
+            if length >= upto:
+                break
+        call = dataclasses.replace(call, prefix_len=upto, prefix_hash=prefix_hash,
+                                   new_tokens=sequence[upto:].tolist())
+    return await worker.run(final, call, deadline=deadline)
