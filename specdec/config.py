@@ -32,6 +32,7 @@ class ModelServiceConfig:
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ...")
     host: str = opt("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = opt(0, "port to listen on (0 = the service default)")
+    metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)")
     max_sessions: int = opt(256, "most sessions whose KV cache is kept (LRU beyond)")
     kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond)")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
@@ -62,6 +63,7 @@ class CoordinatorConfig:
     target: str = opt("127.0.0.1:50053", "target service address host:port")
     host: str = opt("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = opt(50051, "port to listen on")
+    metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)")
     tokenizer: str = opt("", "tokenizer directory or hub id (default: the target's model id)")
     session_store: str = opt("memory", "session store: memory, or redis://[:PASSWORD@]HOST:PORT/DB "
                              "(rediss:// for TLS)")

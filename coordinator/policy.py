@@ -1,0 +1,334 @@
+"""Per-session choice of proposal source and γ: maximise the expected tokens per second.
+
+A round that proposes γ tokens from a source whose tokens the target accepts with per-position
+probability α commits on average E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens (the accepted
+prefix plus the target's own token) and costs t_propose(γ) + t_verify(γ + 1). Plain decoding
+commits 1 token per t_verify(1). Measured in units of t_verify(1) the speedup of a round is
+
+    speedup(γ) = E(α, γ) / ((t_propose(γ) + t_verify(γ + 1)) / t_verify(1)),
+
+which is Leviathan et al.'s (1 − α^(γ+1)) / ((1 − α)(γc + 1)) when t_propose(γ) = γ·t_step and
+t_verify is flat (c = t_step / t_verify). With t_verify(n) = a + b·n it is the same form with
+c = (t_step + b) / t_verify(1). The policy keeps, per session and source ("draft", "ngram"), an
+estimate of α (exponentially forgetting per-position accept/reject trials), and round timings
+(linear fits t_propose(γ) = d0 + d1·γ per source and t_verify(n) = a + b·n, shareable between
+sessions), and each round picks the source and γ with the largest speedup — or no speculation
+("none", γ = 0) when nothing beats plain decoding.
+
+Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
+`default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
+`probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
+the source wins on its own again — so α never freezes, and a useless draft costs a bounded,
+shrinking number of rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+DRAFT, NGRAM, NONE = "draft", "ngram", "none"
+SOURCES = (DRAFT, NGRAM)
+MODES = ("auto", DRAFT, NGRAM, NONE)
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[tokens committed by a round of γ proposals] = 1 + α + … + α^γ."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Expected speedup over plain decoding: (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
+    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int) -> int:
+    """The γ in [0, max_gamma] with the largest `leviathan_speedup` (the smallest among ties).
+
+    The speedup is unimodal in γ (a concave increasing numerator over an affine denominator),
+    so the scan stops at its first decrease.
+    """
+    _check_alpha(alpha)
+    if c < 0 or max_gamma < 0:
+        raise ValueError(f"need c >= 0 and max_gamma >= 0, got {c}, {max_gamma}")
+    best, best_value = 0, 1.0
+    tokens, power = 1.0, 1.0  # E(α, γ) and α^γ, built up as γ grows
+    for gamma in range(1, max_gamma + 1):
+        power *= alpha
+        tokens += power
+        value = tokens / (gamma * c + 1.0)
+        if value > best_value:
+            best, best_value = gamma, value
+        elif value < best_value:
+            break
+    return best
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+
+
+def _argmax_speedup(alpha: float, relative_costs: list[float]) -> tuple[int, float]:
+    """(γ, speedup) maximising E(α, γ) / relative_costs[γ]; γ = 0 scores 1."""
+    best, best_value = 0, 1.0
+    for gamma in range(1, len(relative_costs)):
+        value = expected_tokens(alpha, gamma) / relative_costs[gamma]
+        if value > best_value:
+            best, best_value = gamma, value
+    return best, best_value
+
+
+class AcceptanceEstimate:
+    """α from per-position trials: a round with k proposals and m accepted is m successes and,
+    when m < k, one failure (the positions after the first rejection were never tried).
+    Old rounds fade by `decay` per observed round."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.successes = 0.0
+        self.trials = 0.0
+        self.rounds = 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.successes = self.successes * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + (1 if accepted < proposed else 0)
+        self.rounds += 1
+
+    @property
+    def alpha(self) -> float | None:
+        return self.successes / self.trials if self.trials > 0 else None
+
+
+class LinearFit:
+    """y ≈ a + b·x by exponentially weighted least squares (a, b >= 0).
+
+    While x has (almost) not varied the slope is unknown: `degenerate` says what to assume —
+    "flat" (b = 0, y = mean) or "proportional" (a = 0, y = mean·x / mean_x).
+    """
+
+    MIN_VARIANCE = 0.01  # x is a token count: below this it has not really varied
+
+    def __init__(self, decay: float, degenerate: str) -> None:
+        if degenerate not in ("flat", "proportional"):
+            raise ValueError(f"degenerate must be flat or proportional, got {degenerate!r}")
+        self.decay, self.degenerate = decay, degenerate
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.sx, self.sy = self.w * d + 1.0, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b), or None before the first observation."""
+        if self.w <= 0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var >= self.MIN_VARIANCE:
+            b = max(0.0, (self.sxy / self.w - mx * my) / var)
+            a = my - b * mx
+            if a >= 0:
+                return a, b
+            return 0.0, (my / mx if mx > 0 else 0.0)
+        if self.degenerate == "proportional" and mx > 0:
+            return 0.0, my / mx
+        return my, 0.0
+
+    def predict(self, x: float) -> float | None:
+        coefficients = self.coefficients()
+        return None if coefficients is None else coefficients[0] + coefficients[1] * x
+
+
+class CostModel:
+    """Round timings: t_verify(n tokens) and, per source, t_propose(γ). One per coordinator can
+    be shared by all sessions (the costs belong to the deployment more than to a session)."""
+
+    def __init__(self, decay: float = 0.9, default_cost_ratio: float = 0.1) -> None:
+        self.default_cost_ratio = default_cost_ratio
+        self.verify = LinearFit(decay, "flat")
+        self.propose = {source: LinearFit(decay, "proportional") for source in SOURCES}
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        self.verify.observe(tokens, seconds)
+
+    def observe_propose(self, source: str, gamma: int, seconds: float) -> None:
+        self.propose[source].observe(gamma, seconds)
+
+    def relative_cost(self, source: str, gamma: int) -> float:
+        """(t_propose(γ) + t_verify(γ + 1)) / t_verify(1): a round's cost in plain-decode steps.
+
+        Unmeasured: the draft costs `default_cost_ratio` per token, the n-gram nothing, and
+        verification is flat."""
+        return self.relative_costs(source, max(gamma, 0))[-1]
+
+    def relative_costs(self, source: str, max_gamma: int) -> list[float]:
+        """`relative_cost(source, γ)` for γ = 0 .. max_gamma (the fits solved once)."""
+        verify, propose = self.verify.coefficients(), self.propose[source].coefficients()
+        t1 = None if verify is None else verify[0] + verify[1]
+        default = self.default_cost_ratio if source == DRAFT else 0.0
+        costs = [1.0]
+        for gamma in range(1, max_gamma + 1):
+            if t1 is None or t1 <= 0:
+                costs.append(1.0 + default * gamma)
+                continue
+            t_propose = default * gamma * t1 if propose is None else propose[0] + propose[1] * gamma
+            costs.append((t_propose + verify[0] + verify[1] * (gamma + 1)) / t1)
+        return costs
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_gamma: int = 8                 # largest γ the policy picks by itself
+    default_gamma: int = 4             # γ of the warm-up rounds of a source without data
+    warmup_rounds: int = 2             # observed rounds before a source is judged on its data
+    probe_gamma: int = 2               # γ of a probe of a source the policy stopped using
+    probe_interval: int = 16           # eligible rounds without a source before it is probed
+    max_probe_interval: int = 256      # the interval doubles per probe up to this
+    alpha_decay: float = 0.9           # weight kept by past rounds in α, per observed round
+    timing_decay: float = 0.9          # the same for the timing fits
+    default_cost_ratio: float = 0.1    # draft step / verify step until measured
+    min_gain: float = 0.0              # speculation must beat plain decoding by this fraction
+    max_timed_tokens: int = 0          # verify timings over more tokens (a prefill, a resend)
+    #                                    are not round costs and are skipped; 0 = max_gamma + 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A round's plan. Unpacks as ``source, gamma = choice``."""
+
+    source: str        # "draft" | "ngram" | "none"
+    gamma: int         # tokens to propose (0 exactly when source is "none")
+    reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
+    speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
+
+    def __iter__(self) -> Iterator:
+        return iter((self.source, self.gamma))
+
+
+@dataclass
+class _SourceState:
+    acceptance: AcceptanceEstimate
+    probe_interval: int
+    idle: int = 0  # eligible rounds since it was last chosen
+
+
+@dataclass
+class SessionPolicy:
+    """One per session: ``choose(...)`` before a round, ``observe(...)`` after it."""
+
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    costs: CostModel | None = None
+
+    def __post_init__(self) -> None:
+        c = self.config
+        if self.costs is None:
+            self.costs = CostModel(c.timing_decay, c.default_cost_ratio)
+        self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), c.probe_interval)
+                        for s in SOURCES}
+
+    def alpha(self, source: str) -> float | None:
+        """The current acceptance estimate of a source (None before its first observed round)."""
+        return self.sources[source].acceptance.alpha
+
+    def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
+               draft_available: bool = True, mode: str = "auto",
+               fixed_gamma: int | None = None) -> Choice:
+        """The source and γ of the next round.
+
+        max_gamma: this round's cap (tokens left, context room, the services' limits);
+        ngram_available: how many tokens the n-gram proposer has for this round;
+        draft_available: False while the draft tier is failing;
+        mode / fixed_gamma: the request's override (fixed source and / or fixed γ).
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if fixed_gamma is not None and fixed_gamma < 0:
+            raise ValueError(f"fixed_gamma must be >= 0, got {fixed_gamma}")
+        cap = self.config.max_gamma if max_gamma is None else max_gamma
+        caps = self._caps(mode, cap, ngram_available, draft_available)
+        if fixed_gamma == 0 or mode == NONE:
+            return self._chose(caps, Choice(NONE, 0, "override"))
+        if not caps:
+            return self._chose(caps, Choice(NONE, 0, "unavailable"))
+        if fixed_gamma is not None and mode != "auto":
+            return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
+        return self._chose(caps, self._explore(caps, fixed_gamma) or self._best(caps, fixed_gamma))
+
+    def observe(self, source: str, proposed: int, accepted: int, *,
+                propose_seconds: float | None = None, verify_seconds: float | None = None,
+                verified_tokens: int | None = None) -> None:
+        """After a round: what was proposed and accepted, and (optionally) how long it took.
+
+        verified_tokens: the tokens the target's forward pass took (default proposed + 1).
+        Pass None as a time to leave a round out of the timings (a resend after a cache miss).
+        """
+        if source not in (*SOURCES, NONE):
+            raise ValueError(f"source must be draft, ngram or none, got {source!r}")
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"need 0 <= accepted <= proposed, got {accepted}, {proposed}")
+        if source in SOURCES and proposed > 0:
+            self.sources[source].acceptance.observe(proposed, accepted)
+            if propose_seconds is not None:
+                self.costs.observe_propose(source, proposed, propose_seconds)
+        tokens = proposed + 1 if verified_tokens is None else verified_tokens
+        limit = self.config.max_timed_tokens or self.config.max_gamma + 1
+        if verify_seconds is not None and 0 < tokens <= limit:
+            self.costs.observe_verify(tokens, verify_seconds)
+
+    def _caps(self, mode: str, cap: int, ngram_available: int,
+              draft_available: bool) -> dict[str, int]:
+        """Per eligible source, the most tokens it may propose this round."""
+        caps = {}
+        if mode in ("auto", DRAFT) and draft_available and cap > 0:
+            caps[DRAFT] = cap
+        if mode in ("auto", NGRAM) and min(cap, ngram_available) > 0:
+            caps[NGRAM] = min(cap, ngram_available)
+        return caps
+
+    def _explore(self, caps: dict[str, int], fixed_gamma: int | None) -> Choice | None:
+        """Warm-up of a source without enough data, or a probe of one left unused too long."""
+        c = self.config
+        for source, cap in caps.items():
+            if self.sources[source].acceptance.rounds < c.warmup_rounds:
+                return Choice(source, min(fixed_gamma or c.default_gamma, cap), "warmup")
+        for source, cap in caps.items():
+            state = self.sources[source]
+            if state.idle >= state.probe_interval:
+                state.probe_interval = min(2 * state.probe_interval, c.max_probe_interval)
+                return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
+        return None
+
+    def _best(self, caps: dict[str, int], fixed_gamma: int | None) -> Choice:
+        """The eligible source and γ with the largest estimated speedup; none when no source
+        beats plain decoding (with a fixed γ a source is always used)."""
+        options = []
+        for source, cap in caps.items():
+            alpha = self.alpha(source) or 0.0
+            if fixed_gamma is not None:
+                gamma = min(fixed_gamma, cap)
+                speedup = expected_tokens(alpha, gamma) / self.costs.relative_cost(source, gamma)
+            else:
+                costs = self.costs.relative_costs(source, min(cap, self.config.max_gamma))
+                gamma, speedup = _argmax_speedup(alpha, costs)
+            if gamma > 0:
+                options.append(Choice(source, gamma, "best", speedup))
+        if not options:
+            return Choice(NONE, 0, "best")
+        top = max(options, key=lambda option: option.speedup)  # ties: the first (draft)
+        if fixed_gamma is None and top.speedup <= 1.0 + self.config.min_gain:
+            return Choice(NONE, 0, "best")
+        self.sources[top.source].probe_interval = self.config.probe_interval
+        return top
+
+    def _chose(self, caps: dict[str, int], choice: Choice) -> Choice:
+        """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""
+        for source in caps:
+            state = self.sources[source]
+            state.idle = 0 if source == choice.source else state.idle + 1
+        return choice

@@ -1,0 +1,162 @@
+"""Prometheus metrics, one module for all three services.
+
+Each service builds one ``Metrics(service)``: its own ``CollectorRegistry`` (no global
+registry state, so several services or tests can live in one process) served on
+``--metrics-port`` by ``serve_metrics``. Names follow vLLM's speculative-decoding metrics with
+the prefix ``specdec_``; counters are exposed with the ``_total`` suffix
+(``specdec_num_drafts_total``), histograms with ``_bucket`` / ``_sum`` / ``_count``.
+
+A service records only what it sees: the coordinator rounds, γ and requests; the draft and
+target their stage latency, batch sizes and caches.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, ContextManager, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import generate_latest, start_http_server
+
+SERVICES = ("coordinator", "draft", "target")
+PROPOSERS = ("draft", "ngram", "none")
+STAGES = ("draft", "verify", "store", "coordinator")
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
+
+
+@dataclass
+class MetricsServer:
+    """A running /metrics endpoint; `stop()` shuts it down and joins its thread."""
+
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.server.server_port
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+class Metrics:
+    """The metrics of one service, in a registry of its own."""
+
+    def __init__(self, service: str, version: str = "") -> None:
+        if service not in SERVICES:
+            raise ValueError(f"service must be one of {', '.join(SERVICES)}, got {service!r}")
+        self.service = service
+        self.registry = r = CollectorRegistry()
+        Info("specdec_service", "the service exposing these metrics", registry=r).info(
+            {"service": service, "version": version or _version()})
+        by_proposer = ["proposer"]
+        self.num_drafts = Counter("specdec_num_drafts", "rounds that proposed at least one token",
+                                  by_proposer, registry=r)
+        self.num_draft_tokens = Counter("specdec_num_draft_tokens", "tokens proposed",
+                                        by_proposer, registry=r)
+        self.num_accepted_tokens = Counter("specdec_num_accepted_tokens",
+                                           "proposed tokens the target accepted", by_proposer,
+                                           registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            "specdec_num_accepted_tokens_per_pos",
+            "accepted proposals by position in the round (0 = the first proposed token)",
+            ["proposer", "position"], registry=r)
+        self.requests = Counter("specdec_requests", "finished gRPC calls by method and status code",
+                                ["method", "code"], registry=r)
+        self.round_latency = Histogram("specdec_round_latency_seconds",
+                                       "time a round spent per stage", ["stage"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("specdec_batch_size", "sessions per model forward pass",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.tokens_per_round = Histogram("specdec_tokens_per_round",
+                                          "tokens committed per round (accepted + 1)",
+                                          by_proposer, buckets=TOKEN_BUCKETS, registry=r)
+        self.num_speculative_tokens = Histogram("specdec_num_speculative_tokens",
+                                                "γ chosen per round", by_proposer,
+                                                buckets=TOKEN_BUCKETS, registry=r)
+        self.active_sessions = Gauge("specdec_active_sessions", "requests being served now",
+                                     registry=r)
+        self.cached_sessions = Gauge("specdec_cached_sessions", "sessions whose KV cache is held",
+                                     registry=r)
+        self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "bytes held by KV caches",
+                                    registry=r)
+        self.queue_depth = Gauge("specdec_queue_depth", "calls waiting for a batch slot",
+                                 registry=r)
+
+    def record_round(self, proposer: str, gamma: int, accepted: int,
+                     stage_seconds: Mapping[str, float] | None = None) -> None:
+        """One speculation round: γ proposed by `proposer`, `accepted` of them kept, and the
+        seconds it spent per stage (draft, verify, store, coordinator)."""
+        _check(proposer, PROPOSERS, "proposer")
+        if not 0 <= accepted <= gamma:
+            raise ValueError(f"need 0 <= accepted <= gamma, got {accepted}, {gamma}")
+        if gamma > 0:
+            self.num_drafts.labels(proposer).inc()
+            self.num_draft_tokens.labels(proposer).inc(gamma)
+            self.num_accepted_tokens.labels(proposer).inc(accepted)
+            for position in range(accepted):
+                self.num_accepted_tokens_per_pos.labels(proposer, str(position)).inc()
+        self.num_speculative_tokens.labels(proposer).observe(gamma)
+        self.tokens_per_round.labels(proposer).observe(accepted + 1)
+        for stage, seconds in (stage_seconds or {}).items():
+            self.observe_stage(stage, seconds)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """Time spent in one stage (a draft or target service times its own)."""
+        _check(stage, STAGES, "stage")
+        self.round_latency.labels(stage).observe(seconds)
+
+    def observe_batch(self, size: int) -> None:
+        self.batch_size.observe(size)
+
+    def set_cache(self, sessions: int, nbytes: int) -> None:
+        self.cached_sessions.set(sessions)
+        self.kv_cache_bytes.set(nbytes)
+
+    def set_queue_depth(self, depth: int) -> None:
+        self.queue_depth.set(depth)
+
+    def active(self) -> ContextManager:
+        """`with metrics.active():` counts a request in specdec_active_sessions while it runs."""
+        return self.active_sessions.track_inprogress()
+
+    def record_request(self, method: str, code: Any) -> None:
+        """A finished call: `code` is a grpc.StatusCode or its name ("OK", "INVALID_ARGUMENT")."""
+        self.requests.labels(method, str(getattr(code, "name", code))).inc()
+
+    def render(self) -> bytes:
+        """The text exposition of this registry (what /metrics serves)."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
+        """Serve /metrics on host:port now (port 0 = an ephemeral port: see `.port`)."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsServer(server, thread)
+
+
+def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> MetricsServer | None:
+    """The service start-up hook: serve on `--metrics-port`, or nothing when it is 0 (off)."""
+    if port < 0:
+        raise ValueError(f"metrics port must be >= 0, got {port}")
+    return metrics.serve(port, host) if port > 0 else None
+
+
+def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdec")
+    except PackageNotFoundError:
+        return "unknown"
