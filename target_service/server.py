@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from specdec.config import TargetConfig
+from specdec.rpc.security import server_credentials
 from specdec.rpc.server import start_model_server
 from specdec.runtime.runner import runner_from_config
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -18,8 +19,10 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 def start(config: TargetConfig) -> tuple[grpc.Server, int, TargetServicer]:
     """Load the model and serve it; returns (server, bound port, servicer)."""
+    credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     runner = runner_from_config(config)
     servicer = TargetServicer(Verifier(runner), runner.description)
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
-                                      target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME)
+                                      target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
+                                      credentials)
     return server, port, servicer

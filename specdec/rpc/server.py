@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent import futures
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,16 +29,18 @@ def _add_health_and_reflection(server, health_servicer, service_names: Iterable[
     )
 
 
-def _bind(server, host: str, port: int) -> int:
-    bound = server.add_insecure_port(f"{host}:{port}")
+def _bind(server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen in plaintext, or with TLS when `credentials` are given."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (address in use or not local?)")
     return bound
 
 
 def build_sync_server(register: Callable[[grpc.Server], None], service_names: Iterable[str],
-                      host: str, port: int, max_workers: int, max_message_bytes: int
-                      ) -> tuple[grpc.Server, int]:
+                      host: str, port: int, max_workers: int, max_message_bytes: int,
+                      credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
     """A started thread-pool server; returns (server, bound port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=channel_options(max_message_bytes))
@@ -46,7 +48,7 @@ def build_sync_server(register: Callable[[grpc.Server], None], service_names: It
     health_servicer = health.HealthServicer()
     names = list(service_names)
     _add_health_and_reflection(server, health_servicer, names)
-    bound = _bind(server, host, port)
+    bound = _bind(server, host, port, credentials)
     server.start()
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -54,23 +56,26 @@ def build_sync_server(register: Callable[[grpc.Server], None], service_names: It
 
 
 async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_names: Iterable[str],
-                           host: str, port: int, max_message_bytes: int
+                           host: str, port: int, max_message_bytes: int,
+                           credentials: grpc.ServerCredentials | None = None,
+                           interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                            ) -> tuple[grpc.aio.Server, int]:
     """A started asyncio server; returns (server, bound port)."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
     names = list(service_names)
     _add_health_and_reflection(server, health_servicer, names)
-    bound = _bind(server, host, port)
+    bound = _bind(server, host, port, credentials)
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
 
 
-def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str
-                       ) -> tuple[grpc.Server, int]:
+def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str,
+                       credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
     """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
     return build_sync_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
-                             config.port or default_port, config.max_workers, config.max_message_bytes)
+                             config.port or default_port, config.max_workers, config.max_message_bytes,
+                             credentials)
