@@ -6,6 +6,7 @@ import grpc
 
 from specdec.errors import CacheMiss, SpecdecError
 from specdec.rpc.convert import dist_from_pb, dist_to_pb, model_info_from_pb, sampling_to_pb
+from specdec.rpc.security import name_override_options
 from specdec.rpc.server import channel_options
 from specdec.rpc.status import from_rpc_error
 from specdec.types import ModelDescription, Proposal, SamplingParams, SparseDist, Verdict
@@ -13,14 +14,23 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 class ServiceClient:
-    """A channel to one service replica; failed calls become domain errors."""
+    """A channel to one service replica (TLS when `credentials` are given; `server_name`
+    overrides the name checked in its certificate); failed calls become domain errors."""
 
     kind = "service"
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int):
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.tls = credentials is not None
+        self.server_name = server_name
+        options = channel_options(max_message_bytes)
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(address, credentials,
+                                                   options=options + name_override_options(server_name))
 
     @property
     def name(self) -> str:
@@ -43,13 +53,14 @@ class ServiceClient:
 class DraftClient(ServiceClient):
     kind = "draft"
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int):
-        super().__init__(address, timeout_s, max_message_bytes)
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
+        super().__init__(address, timeout_s, max_message_bytes, credentials, server_name)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
 
-    async def info(self, timeout_s: float) -> ModelDescription:
+    async def info(self, timeout_s: float, wait_for_ready: bool = True) -> ModelDescription:
         response = await self.call(self.stub.GetModelInfo, draft_pb2.DraftServiceGetModelInfoRequest(),
-                                   timeout_s=timeout_s)
+                                   timeout_s=timeout_s, wait_for_ready=wait_for_ready)
         return model_info_from_pb(response.info)
 
     async def propose(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
@@ -71,13 +82,14 @@ class DraftClient(ServiceClient):
 class TargetClient(ServiceClient):
     kind = "target"
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int):
-        super().__init__(address, timeout_s, max_message_bytes)
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
+        super().__init__(address, timeout_s, max_message_bytes, credentials, server_name)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
 
-    async def info(self, timeout_s: float) -> ModelDescription:
+    async def info(self, timeout_s: float, wait_for_ready: bool = True) -> ModelDescription:
         response = await self.call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(),
-                                   timeout_s=timeout_s)
+                                   timeout_s=timeout_s, wait_for_ready=wait_for_ready)
         return model_info_from_pb(response.info)
 
     async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],

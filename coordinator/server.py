@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
 import grpc
 
 from specdec.config import CoordinatorConfig
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, Unavailable
+from specdec.rpc.security import (ApiKeyInterceptor, CredentialsError, read_api_key, server_credentials,
+                                  upstream_credentials)
 from specdec.rpc.server import build_aio_server
 from specdec.runtime.loader import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.clients import DraftClient, TargetClient
+from coordinator.clients import DraftClient, ServiceClient, TargetClient
 from coordinator.engine import Engine
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import open_store
@@ -23,6 +26,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 STARTUP_TIMEOUT_S = 120.0
+STARTUP_POLL_S = 0.25
 
 
 class StartupError(RuntimeError):
@@ -47,6 +51,68 @@ def check_compatible(draft: ModelDescription, target: ModelDescription, tokenize
             f"({target.tokenizer_fingerprint[:12]}): point --tokenizer at the target model")
 
 
+@dataclass(frozen=True)
+class Security:
+    """What transport security the coordinator runs with, built (and checked) from its config."""
+
+    server: grpc.ServerCredentials | None
+    upstream: grpc.ChannelCredentials | None
+    api_key: str | None
+
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig) -> "Security":
+        try:
+            return cls(server_credentials(config), upstream_credentials(config),
+                       read_api_key(config.api_key_file) if config.api_key_file else None)
+        except CredentialsError as exc:
+            raise StartupError(str(exc)) from exc
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [ApiKeyInterceptor(self.api_key)] if self.api_key else []
+
+    def describe(self) -> str:
+        return (f"TLS {'on' if self.server else 'off'}, API key {'on' if self.api_key else 'off'}, "
+                f"TLS to the tiers {'on' if self.upstream else 'off'}")
+
+
+def _tls_failure(client: ServiceClient, detail: str) -> tuple[bool, str]:
+    """(does waiting not help, what to check) when a connection failed while being set up."""
+    text = detail.lower()
+    kind = client.kind
+    if "hostname verification" in text:
+        name = (f"{client.server_name!r} (--upstream-server-name)" if client.server_name
+                else f"the host of {client.address}")
+        return True, (f"; TLS: the {kind} service's certificate is not for {name}: set "
+                      "--upstream-server-name to a name in that certificate")
+    if "handshake failed" in text:
+        return True, (f"; the TLS handshake with the {kind} service failed: check that the CA in "
+                      "--upstream-ca-file signed its certificate (--tls-cert-file) and that it serves TLS at all")
+    if "socket closed" in text:
+        if client.tls:
+            return False, (f"; the {kind} service closed the connection during TLS set-up: when it requires "
+                           "client certificates (mutual TLS, --tls-client-ca-file), give the coordinator "
+                           "--upstream-cert-file / --upstream-key-file signed by that CA")
+        return False, (f"; the {kind} service closed the connection during set-up: when it serves TLS "
+                       "(--tls-cert-file), give the coordinator --upstream-ca-file (and --upstream-cert-file / "
+                       "--upstream-key-file for mutual TLS)")
+    return False, ""
+
+
+async def _startup_info(client: ServiceClient, timeout_s: float) -> ModelDescription:
+    """The service's model info, retried until it answers or timeout_s passes. A TLS failure
+    that waiting cannot fix (certificate, name) fails at once; the error says what to check."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return await client.info(max(deadline - loop.time(), 0.01), wait_for_ready=False)
+        except Unavailable as exc:
+            fatal, hint = _tls_failure(client, str(exc))
+            if fatal or loop.time() + STARTUP_POLL_S >= deadline:
+                raise StartupError(f"cannot reach the model services: {exc}{hint}") from exc
+        await asyncio.sleep(STARTUP_POLL_S)
+
+
 @dataclass
 class RunningCoordinator:
     server: grpc.aio.Server
@@ -61,12 +127,14 @@ class RunningCoordinator:
 
 
 async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> RunningCoordinator:
-    draft = DraftClient(config.draft, config.rpc_timeout_s, config.max_message_bytes)
-    target = TargetClient(config.target, config.rpc_timeout_s, config.max_message_bytes)
+    security = Security.from_config(config)
+    upstream = (security.upstream, config.upstream_server_name)
+    draft = DraftClient(config.draft, config.rpc_timeout_s, config.max_message_bytes, *upstream)
+    target = TargetClient(config.target, config.rpc_timeout_s, config.max_message_bytes, *upstream)
     try:
         try:
-            draft_info = await draft.info(startup_timeout_s)
-            target_info = await target.info(startup_timeout_s)
+            draft_info = await _startup_info(draft, startup_timeout_s)
+            target_info = await _startup_info(target, startup_timeout_s)
         except SpecdecError as exc:
             raise StartupError(f"cannot reach the model services: {exc}") from exc
         tokenizer_source = config.tokenizer or target_info.model_id
@@ -89,9 +157,12 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         log.warning("%s", exc)
     engine = Engine(config, store, draft, target, tokenizer, draft_info, target_info)
     servicer = CoordinatorServicer(engine)
+    if security.api_key and not security.server:
+        log.warning("--api-key-file without --tls-cert-file: clients send the API key in clear text")
     server, port = await build_aio_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), [SERVICE_NAME],
-        config.host, config.port, config.max_message_bytes,
+        config.host, config.port, config.max_message_bytes, security.server, security.interceptors(),
     )
-    log.info("coordinator on %s:%d (draft %s, target %s)", config.host, port, config.draft, config.target)
+    log.info("coordinator on %s:%d (draft %s, target %s; %s)", config.host, port, config.draft, config.target,
+             security.describe())
     return RunningCoordinator(server, port, engine)

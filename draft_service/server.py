@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specdec.config import DraftConfig
+from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.runner import runner_from_config
 from specdec.runtime.worker import ModelWorker
@@ -17,10 +18,11 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 def start(config: DraftConfig) -> tuple[BackgroundServer, int, DraftServicer]:
     """Load the model and serve it; returns (server, bound port, servicer)."""
+    credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     runner = runner_from_config(config)
     worker = ModelWorker(config.max_queue, name="draft-model")
     servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description, worker)
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,
-                                      on_stop=worker.close)
+                                      credentials, on_stop=worker.close)
     return server, port, servicer

@@ -47,6 +47,7 @@ def _quiet_libraries() -> None:
 # ---- serve ------------------------------------------------------------------------------------
 
 def _serve_model(kind: str, args: argparse.Namespace) -> int:
+    from specdec.rpc.security import CredentialsError
     from specdec.runtime.loader import ModelLoadError
 
     if kind == "draft":
@@ -59,7 +60,7 @@ def _serve_model(kind: str, args: argparse.Namespace) -> int:
         raise SystemExit(f"specdec serve {kind}: --model is required (env SPECDEC_{kind.upper()}_MODEL)")
     try:
         server, port, _ = start(config)
-    except (ModelLoadError, OSError) as exc:
+    except (ModelLoadError, CredentialsError, OSError) as exc:
         raise SystemExit(f"specdec serve {kind}: {exc}")
     print(f"{kind} service ready on {config.host}:{port} ({config.model}, {config.dtype}, {config.device})",
           flush=True)
@@ -100,13 +101,26 @@ def _serve_coordinator(args: argparse.Namespace) -> int:
 
 # ---- up ---------------------------------------------------------------------------------------
 
-def wait_healthy(address: str, timeout_s: float, procs: Sequence[subprocess.Popen] = ()) -> None:
-    """Wait until a gRPC server answers SERVING on grpc.health.v1 (or a process dies)."""
+def open_channel(address: str, credentials: Any = None, server_name: str = "") -> Any:
+    """A blocking channel: plaintext, or TLS with `credentials` (grpc.ChannelCredentials)."""
+    import grpc
+
+    from specdec.rpc.security import name_override_options
+
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials, options=name_override_options(server_name))
+
+
+def wait_healthy(address: str, timeout_s: float, procs: Sequence[subprocess.Popen] = (),
+                 credentials: Any = None, server_name: str = "") -> None:
+    """Wait until a gRPC server answers SERVING on grpc.health.v1 (or a process dies);
+    over TLS when `credentials` (grpc.ChannelCredentials) are given."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials, server_name) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for proc in procs:
@@ -182,6 +196,22 @@ def _up(args: argparse.Namespace) -> int:
 
 # ---- generate ---------------------------------------------------------------------------------
 
+def _client_security(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]]]:
+    """(channel credentials or None, call metadata) from --tls-ca-file and --api-key."""
+    from specdec.rpc.security import CredentialsError, read_certificates
+
+    credentials = None
+    if args.tls_ca_file:
+        import grpc
+
+        try:
+            credentials = grpc.ssl_channel_credentials(read_certificates(args.tls_ca_file, "--tls-ca-file"))
+        except CredentialsError as exc:
+            raise SystemExit(f"specdec generate: {exc}")
+    metadata = [("authorization", f"Bearer {args.api_key.strip()}")] if args.api_key.strip() else []
+    return credentials, metadata
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -199,11 +229,12 @@ def _generate(args: argparse.Namespace) -> int:
         request.prompt = args.prompt
     if args.gamma is not None:
         request.num_speculative_tokens = args.gamma
+    credentials, metadata = _client_security(args)
     text, token_ids, last = [], [], None
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args.address, credentials, args.tls_server_name) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
-            for chunk in stub.Generate(request, timeout=args.timeout):
+            for chunk in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 text.append(chunk.text)
                 token_ids.extend(chunk.token_ids)
                 last = chunk
@@ -307,6 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="deadline in seconds (env SPECDEC_GENERATE_TIMEOUT)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: session_id, token_ids, text, finish_reason, stats")
+    gen.add_argument("--api-key", default=env_default("generate", "api_key", ""),
+                     help="the coordinator's API key, sent as 'authorization: Bearer KEY' "
+                          "(env SPECDEC_GENERATE_API_KEY, which keeps it out of the process list)")
+    gen.add_argument("--tls-ca-file", default=env_default("generate", "tls_ca_file", ""),
+                     help="PEM CA that signed the coordinator's certificate; turns on TLS "
+                          "(env SPECDEC_GENERATE_TLS_CA_FILE)")
+    gen.add_argument("--tls-server-name", default=env_default("generate", "tls_server_name", ""),
+                     help="name checked in the coordinator's certificate instead of the host of --address "
+                          "(env SPECDEC_GENERATE_TLS_SERVER_NAME)")
 
     models = sub.add_parser("models", help="model files")
     models_sub = models.add_subparsers(dest="models_command", required=True)

@@ -24,7 +24,17 @@ def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
 
 
 @dataclass(frozen=True)
-class ModelServiceConfig:
+class ServerTlsConfig:
+    """TLS on a service's own port; all three services have these fields."""
+
+    tls_cert_file: str = opt("", "PEM certificate (chain) this server presents; with --tls-key-file "
+                             "turns TLS on (default: plaintext)")
+    tls_key_file: str = opt("", "PEM private key of --tls-cert-file (unencrypted)")
+    tls_client_ca_file: str = opt("", "PEM CA: require client certificates signed by it (mutual TLS)")
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig(ServerTlsConfig):
     """What the draft and the target service share."""
 
     model: str = opt("", "model directory, hub id or .gguf file (required)")
@@ -56,7 +66,7 @@ class TargetConfig(ModelServiceConfig):
 
 
 @dataclass(frozen=True)
-class CoordinatorConfig:
+class CoordinatorConfig(ServerTlsConfig):
     """Config of the coordinator."""
 
     draft: str = opt("127.0.0.1:50052", "draft service address host:port")
@@ -83,6 +93,15 @@ class CoordinatorConfig:
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")
     rpc_timeout_s: float = opt(60.0, "deadline of each call to the draft / target service")
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")
+    upstream_ca_file: str = opt("", "PEM CA that signed the draft's and target's certificates; "
+                                "turns on TLS to them (default: plaintext)")
+    upstream_cert_file: str = opt("", "PEM client certificate presented to draft and target (mutual TLS)")
+    upstream_key_file: str = opt("", "PEM private key of --upstream-cert-file")
+    upstream_server_name: str = opt("", "name checked in the tiers' certificates instead of the host "
+                                    "of --draft / --target")
+    api_key_file: str = opt("", "file holding the API key clients must send as metadata "
+                            "'authorization: Bearer <key>' (default: no key; health and reflection "
+                            "stay open)")
 
 
 def _flag(name: str) -> str:

@@ -33,13 +33,19 @@ class LoopThread:
 
 
 class Cluster:
-    """Draft + target (sync servers) and a coordinator (aio server), all on loopback."""
+    """Draft + target (sync servers) and a coordinator (aio server), all on loopback.
+    `client_credentials` makes the test's channel to the coordinator TLS; `metadata` goes with
+    every call of complete() and stream()."""
 
     def __init__(self, draft_model: str, target_model: str, dtype: str = "float64",
-                 coordinator: dict | None = None, draft: dict | None = None, target: dict | None = None):
+                 coordinator: dict | None = None, draft: dict | None = None, target: dict | None = None,
+                 client_credentials: grpc.ChannelCredentials | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()):
         self.draft_config = DraftConfig(model=draft_model, dtype=dtype, port=0, **(draft or {}))
         self.target_config = TargetConfig(model=target_model, dtype=dtype, port=0, **(target or {}))
         self.coordinator_overrides = coordinator or {}
+        self.client_credentials = client_credentials
+        self.metadata = metadata
         self.loop = LoopThread()
         self.draft_port = self.target_port = 0
         self.draft = self.target = self.coordinator = None
@@ -60,7 +66,9 @@ class Cluster:
                                    target=f"127.0.0.1:{self.target_port}", port=0,
                                    **self.coordinator_overrides)
         self.coordinator = self.loop.run(coordinator_server.start(config, startup_timeout_s=20))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.coordinator.port}")
+        address = f"127.0.0.1:{self.coordinator.port}"
+        self.channel = (grpc.secure_channel(address, self.client_credentials) if self.client_credentials
+                        else grpc.insecure_channel(address))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         return self
 
@@ -75,10 +83,10 @@ class Cluster:
 
     def complete(self, **fields: Any) -> coordinator_pb2.CompleteResponse:
         request = coordinator_pb2.CompleteRequest(request=generate_request(**fields))
-        return self.stub.Complete(request, timeout=120)
+        return self.stub.Complete(request, timeout=120, metadata=self.metadata)
 
     def stream(self, **fields: Any) -> list[coordinator_pb2.GenerateResponse]:
-        return list(self.stub.Generate(generate_request(**fields), timeout=120))
+        return list(self.stub.Generate(generate_request(**fields), timeout=120, metadata=self.metadata))
 
     def stop(self) -> None:
         if self.channel is not None:

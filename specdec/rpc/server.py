@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,23 +31,27 @@ def _add_health_and_reflection(server, health_servicer, service_names: Iterable[
     )
 
 
-def _bind(server, host: str, port: int) -> int:
-    bound = server.add_insecure_port(f"{host}:{port}")
+def _bind(server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen in plaintext, or with TLS when `credentials` are given."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (address in use or not local?)")
     return bound
 
 
 async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_names: Iterable[str],
-                           host: str, port: int, max_message_bytes: int
+                           host: str, port: int, max_message_bytes: int,
+                           credentials: grpc.ServerCredentials | None = None,
+                           interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                            ) -> tuple[grpc.aio.Server, int]:
     """A started asyncio server; returns (server, bound port)."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
     names = list(service_names)
     _add_health_and_reflection(server, health_servicer, names)
-    bound = _bind(server, host, port)
+    bound = _bind(server, host, port, credentials)
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -85,13 +89,14 @@ class BackgroundServer:
 
 
 def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str,
+                       credentials: grpc.ServerCredentials | None = None,
                        on_stop: Callable[[], None] | None = None) -> tuple[BackgroundServer, int]:
     """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"{service_name}-grpc", daemon=True)
     thread.start()
     build = build_aio_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
-                             config.port or default_port, config.max_message_bytes)
+                             config.port or default_port, config.max_message_bytes, credentials)
     try:
         server, port = asyncio.run_coroutine_threadsafe(build, loop).result(60)
     except BaseException:
