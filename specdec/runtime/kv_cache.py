@@ -13,8 +13,13 @@ from transformers import DynamicCache
 from specdec.fingerprint import PrefixHashes
 
 
+def _as_array(tokens: Sequence[int]) -> array:
+    return tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences (compared as C arrays)."""
+    a, b = _as_array(a), _as_array(b)
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

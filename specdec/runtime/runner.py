@@ -37,6 +37,7 @@ class ModelRunner:
         self.device = loaded.device
         self.caches = caches
         self.prefill_chunk = max(1, prefill_chunk)
+        self.tokens_run = 0  # tokens forwarded since start (prefill work included)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.embedding_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = max_context_length(self.model, loaded.tokenizer)
@@ -153,6 +154,7 @@ class ModelRunner:
             raise
         entry.cache = out.cache
         entry.append(tokens)
+        self.tokens_run += len(tokens)
         return out.logits[0, -keep_logits:].float()  # [keep_logits, vocab]
 
     def finish(self, session_id: str) -> None:

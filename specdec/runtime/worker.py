@@ -42,10 +42,10 @@ class ModelWorker:
             if item is None:
                 return
             future, fn, args, deadline = item
+            if not future.set_running_or_notify_cancel():
+                continue  # the caller went away while it waited (counted out by _forget)
             with self._lock:
                 self._pending -= 1
-            if not future.set_running_or_notify_cancel():
-                continue
             if deadline is not None and time.monotonic() > deadline:
                 future.set_exception(DeadlinePassed("the call's deadline passed while it was queued"))
                 continue
@@ -66,8 +66,14 @@ class ModelWorker:
                     f"retry in {retry:.2f}s", retry_after_s=retry)
             self._pending += 1
         future: Future = Future()
+        future.add_done_callback(self._forget)
         self._queue.put((future, fn, args, deadline))
         return future
+
+    def _forget(self, future: Future) -> None:
+        if future.cancelled():  # never started: it no longer takes a place in the queue
+            with self._lock:
+                self._pending -= 1
 
     async def run(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         return await asyncio.wrap_future(self.submit(fn, *args, deadline=deadline))
