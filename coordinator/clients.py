@@ -47,9 +47,10 @@ class DraftClient(ServiceClient):
         super().__init__(address, timeout_s, max_message_bytes)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
 
-    async def info(self, timeout_s: float) -> ModelDescription:
-        response = await self.call(self.stub.GetModelInfo, draft_pb2.DraftServiceGetModelInfoRequest(),
-                                   timeout_s=timeout_s)
+    async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None) -> ModelDescription:
+        """The model description; its tokenizer fingerprint over ids < fingerprint_vocab_size if set."""
+        request = draft_pb2.DraftServiceGetModelInfoRequest(fingerprint_vocab_size=fingerprint_vocab_size)
+        response = await self.call(self.stub.GetModelInfo, request, timeout_s=timeout_s)
         return model_info_from_pb(response.info)
 
     async def propose(self, session_id: str, prefix_len: int, new_tokens: list[int], gamma: int,
@@ -75,9 +76,10 @@ class TargetClient(ServiceClient):
         super().__init__(address, timeout_s, max_message_bytes)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
 
-    async def info(self, timeout_s: float) -> ModelDescription:
-        response = await self.call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(),
-                                   timeout_s=timeout_s)
+    async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None) -> ModelDescription:
+        """The model description; its tokenizer fingerprint over ids < fingerprint_vocab_size if set."""
+        request = target_pb2.TargetServiceGetModelInfoRequest(fingerprint_vocab_size=fingerprint_vocab_size)
+        response = await self.call(self.stub.GetModelInfo, request, timeout_s=timeout_s)
         return model_info_from_pb(response.info)
 
     async def verify(self, session_id: str, prefix_len: int, new_tokens: list[int], drafts: list[int],

@@ -6,6 +6,7 @@ import grpc
 
 from specdec.config import DraftConfig
 from specdec.rpc.server import start_model_server
+from specdec.runtime.loader import tokenizer_fingerprint
 from specdec.runtime.runner import runner_from_config
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -19,7 +20,8 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 def start(config: DraftConfig) -> tuple[grpc.Server, int, DraftServicer]:
     """Load the model and serve it; returns (server, bound port, servicer)."""
     runner = runner_from_config(config)
-    servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description)
+    servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description,
+                             lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)
     return server, port, servicer

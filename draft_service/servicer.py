@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from specdec.errors import InvalidArgument
-from specdec.rpc.convert import dist_to_pb, model_info_to_pb, sampling_from_pb
+from specdec.rpc.convert import description_for, dist_to_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.types import ModelDescription
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -12,13 +14,16 @@ from draft_service.proposer import Proposer
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, description: ModelDescription):
+    def __init__(self, proposer: Proposer, description: ModelDescription,
+                 fingerprint: Callable[[int], str]):
         self.proposer = proposer
         self.description = description
+        self.fingerprint = fingerprint  # tokenizer fingerprint over the ids below a size
 
     @map_errors
     def GetModelInfo(self, request, context):
-        return draft_pb2.DraftServiceGetModelInfoResponse(info=model_info_to_pb(self.description))
+        description = description_for(request, self.description, self.fingerprint)
+        return draft_pb2.DraftServiceGetModelInfoResponse(info=model_info_to_pb(description))
 
     @map_errors
     def Propose(self, request: draft_pb2.ProposeRequest, context):

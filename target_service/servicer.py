@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.rpc.convert import dist_from_pb, model_info_to_pb, sampling_from_pb
+from typing import Callable
+
+from specdec.rpc.convert import description_for, dist_from_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.types import ModelDescription
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -11,13 +13,16 @@ from target_service.verifier import Verifier
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, verifier: Verifier, description: ModelDescription):
+    def __init__(self, verifier: Verifier, description: ModelDescription,
+                 fingerprint: Callable[[int], str]):
         self.verifier = verifier
         self.description = description
+        self.fingerprint = fingerprint  # tokenizer fingerprint over the ids below a size
 
     @map_errors
     def GetModelInfo(self, request, context):
-        return target_pb2.TargetServiceGetModelInfoResponse(info=model_info_to_pb(self.description))
+        description = description_for(request, self.description, self.fingerprint)
+        return target_pb2.TargetServiceGetModelInfoResponse(info=model_info_to_pb(description))
 
     @map_errors
     def Verify(self, request: target_pb2.VerifyRequest, context):
