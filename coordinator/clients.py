@@ -58,9 +58,12 @@ class DraftClient(ServiceClient):
         super().__init__(address, timeout_s, max_message_bytes, credentials, server_name)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
 
-    async def info(self, timeout_s: float, wait_for_ready: bool = True) -> ModelDescription:
-        response = await self.call(self.stub.GetModelInfo, draft_pb2.DraftServiceGetModelInfoRequest(),
-                                   timeout_s=timeout_s, wait_for_ready=wait_for_ready)
+    async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None,
+                   wait_for_ready: bool = True) -> ModelDescription:
+        """The model description; its tokenizer fingerprint over ids < fingerprint_vocab_size if set."""
+        request = draft_pb2.DraftServiceGetModelInfoRequest(fingerprint_vocab_size=fingerprint_vocab_size)
+        response = await self.call(self.stub.GetModelInfo, request, timeout_s=timeout_s,
+                                   wait_for_ready=wait_for_ready)
         return model_info_from_pb(response.info)
 
     async def propose(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
@@ -87,9 +90,12 @@ class TargetClient(ServiceClient):
         super().__init__(address, timeout_s, max_message_bytes, credentials, server_name)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
 
-    async def info(self, timeout_s: float, wait_for_ready: bool = True) -> ModelDescription:
-        response = await self.call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(),
-                                   timeout_s=timeout_s, wait_for_ready=wait_for_ready)
+    async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None,
+                   wait_for_ready: bool = True) -> ModelDescription:
+        """The model description; its tokenizer fingerprint over ids < fingerprint_vocab_size if set."""
+        request = target_pb2.TargetServiceGetModelInfoRequest(fingerprint_vocab_size=fingerprint_vocab_size)
+        response = await self.call(self.stub.GetModelInfo, request, timeout_s=timeout_s,
+                                   wait_for_ready=wait_for_ready)
         return model_info_from_pb(response.info)
 
     async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],

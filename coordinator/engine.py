@@ -19,8 +19,9 @@ from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
 from coordinator.clients import DraftClient, TargetClient, release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
+from coordinator.lease_keeper import LeaseKeeper
 from coordinator.stats import GenerationStats
-from coordinator.store import SessionRecord, SessionStore
+from coordinator.store import Lease, SessionRecord, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -156,17 +157,17 @@ class Engine:
                 f"session holds {committed} tokens; adding {added} leaves no room in the model "
                 f"context of {self.context_length} tokens: start a new session")
 
-    async def _open(self, request: GenerationRequest) -> tuple[SessionRecord, list[int]]:
+    async def _open(self, request: GenerationRequest) -> tuple[Lease, list[int]]:
         """Lease (or create) the session and encode the input; nothing is committed yet."""
         if request.session_id:
-            record = await self.store.acquire(request.session_id)
+            lease = await self.store.acquire(request.session_id)
             try:
-                added = self._encode(request, continuing=bool(record.token_ids))
-                self._check_length(len(record.token_ids), len(added))
+                added = self._encode(request, continuing=bool(lease.record.token_ids))
+                self._check_length(len(lease.record.token_ids), len(added))
             except BaseException:
-                await self.store.release(record.session_id)
+                await self.store.release(lease)
                 raise
-            return record, added
+            return lease, added
         added = self._encode(request, continuing=False)
         self._check_length(0, len(added))
         created = await self.store.create()
@@ -182,37 +183,42 @@ class Engine:
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
         self.active += 1
         try:
-            record, added = await self._open(request)
+            lease, added = await self._open(request)
+            record = lease.record
             finished = False
             try:
-                async for chunk in self._run(request, record, added, max_new, gamma):
-                    yield chunk
+                # renewed on a timer, whatever a round takes; lost (taken over) stops the request
+                async with LeaseKeeper(self.store, lease, self.config.session_lease_s / 3) as keeper:
+                    async for chunk in self._run(request, record, lease, added, max_new, gamma):
+                        yield chunk
+                        if chunk.finish_reason is None:
+                            keeper.check()
                 finished = True
             finally:
-                if not finished:  # cancelled, past its deadline or failed
-                    await self._abandon(record)
-                await self.store.release(record.session_id)
+                if not finished:  # cancelled, past its deadline, failed or taken over
+                    await self._abandon(record, lease)
+                await self.store.release(lease)
         finally:
             self.active -= 1
 
-    async def _abandon(self, record: SessionRecord) -> None:
+    async def _abandon(self, record: SessionRecord, lease: Lease) -> None:
         """Free the KV caches a request leaves behind; its committed tokens stay in the store."""
         await asyncio.gather(release_quietly(self.draft, record.session_id),
                              release_quietly(self.target, record.session_id))
         record.draft_held = record.target_held = 0
         try:
-            await self.store.save(record)
+            await self.store.save(record, lease)
         except SpecdecError as exc:
             log.info("session %s: could not record the released caches (%s)", record.session_id, exc)
 
-    async def _run(self, request: GenerationRequest, record: SessionRecord, added: list[int],
-                   max_new: int, gamma: int) -> AsyncIterator[Chunk]:
+    async def _run(self, request: GenerationRequest, record: SessionRecord, lease: Lease,
+                   added: list[int], max_new: int, gamma: int) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
         run = _Run(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids))
         run.commit(added)
         record.requests += 1
         self._forget_other_replicas(record)
-        await self.store.save(record)
+        await self.store.save(record, lease)
         rng = RequestRng(request.seed)
         detok = IncrementalDetokenizer(self.tokenizer, record.token_ids)
         stops = StopStrings(request.stop)
@@ -249,7 +255,7 @@ class Engine:
                 record.draft_held = min(record.draft_held, len(record.token_ids))
                 record.target_held = min(record.target_held, len(record.token_ids))
                 run.stats.generated_tokens = len(generated)
-                await self.store.save(record)
+                await self.store.save(record, lease)
             if finish is None:
                 end = stops.safe_length(text)
             else:
@@ -266,7 +272,7 @@ class Engine:
                     0.0, time.perf_counter() - started - run.stats.draft_seconds - run.stats.target_seconds)
                 chunk.finish_reason, chunk.stats = finish, run.stats
                 record.stats = GenerationStats.from_dict(record.stats).merged(run.stats).to_dict()
-                await self.store.save(record)
+                await self.store.save(record, lease)
             yield chunk
 
     def _forget_other_replicas(self, record: SessionRecord) -> None:

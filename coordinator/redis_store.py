@@ -4,11 +4,12 @@ Keys of session S (all with the session TTL, refreshed on every write):
   specdec:session:S:meta    hash: created_at, updated_at, requests, stats (JSON),
                             draft_address, draft_held, target_address, target_held
   specdec:session:S:tokens  list of committed token ids (append-only)
-  specdec:session:S:lease   the id of the request generating now (expires after lease_ttl)
+  specdec:session:S:lease   the lease id of the request generating now (expires after lease_ttl
+                            unless the request renews it)
 
-Two coordinators never corrupt a session: a request must hold the lease to write, and a
-write only appends when the stored token count is the one the writer last saw (checked
-atomically in a Lua script).
+Two coordinators never corrupt a session: a request must hold the lease to write (each
+request has its own lease id, in its `Lease` handle), and a write only appends when the
+stored token count is the one the writer last saw (checked atomically in a Lua script).
 """
 
 from __future__ import annotations
@@ -22,23 +23,40 @@ from redis.exceptions import RedisError
 
 from specdec.errors import FailedPrecondition, Unavailable
 
-from coordinator.store import SessionRecord, busy_error, not_found_error
+from coordinator.store import (
+    Lease, SessionRecord, busy_error, check_lease, not_found_error, taken_over_error,
+)
 
 PREFIX = "specdec:session:"
 
-# KEYS: meta, tokens, lease; ARGV: lease id, expected token count, ttl ms, lease ttl ms,
-#       meta JSON, new tokens...
-SAVE_SCRIPT = """
+# The lease check, shared by the scripts: -1 no session, -2 another request holds the lease,
+# -4 the lease lapsed (nobody holds it).
+LEASE_CHECK = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('GET', KEYS[3]) ~= ARGV[1] then return -2 end
+local holder = redis.call('GET', KEYS[3])
+if not holder then return -4 end
+if holder ~= ARGV[1] then return -2 end
+"""
+
+# KEYS: meta, tokens, lease; ARGV: lease id, expected token count, ttl ms, lease ttl ms,
+#       meta JSON, new tokens... Lua's unpack takes at most ~8,000 values: push in chunks.
+SAVE_SCRIPT = LEASE_CHECK + """
 if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return -3 end
 local meta = cjson.decode(ARGV[5])
 for k, v in pairs(meta) do redis.call('HSET', KEYS[1], k, v) end
-if #ARGV > 5 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 6)) end
+for first = 6, #ARGV, 1000 do
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
 return redis.call('LLEN', KEYS[2])
+"""
+
+# KEYS: meta, tokens, lease; ARGV: lease id, lease ttl ms
+RENEW_SCRIPT = LEASE_CHECK + """
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+return 1
 """
 
 # KEYS: lease; ARGV: lease id
@@ -72,8 +90,8 @@ class RedisSessionStore:
         self.client = aioredis.from_url(url, socket_timeout=socket_timeout_s,
                                         socket_connect_timeout=socket_timeout_s, decode_responses=True)
         self._save = self.client.register_script(SAVE_SCRIPT)
+        self._renew = self.client.register_script(RENEW_SCRIPT)
         self._release = self.client.register_script(RELEASE_SCRIPT)
-        self._leases: dict[str, str] = {}
 
     def _unavailable(self, exc: Exception) -> Unavailable:
         return Unavailable(f"session store {_redacted(self.url)} is unreachable or refused us "
@@ -118,22 +136,23 @@ class RedisSessionStore:
         record.stored_len = len(record.token_ids)
         return record
 
-    async def acquire(self, session_id: str) -> SessionRecord:
+    async def acquire(self, session_id: str) -> Lease:
         meta_key, _, lease_key = _keys(session_id)
-        lease = uuid.uuid4().hex
+        lease_id = uuid.uuid4().hex
         try:
             if not await self.client.exists(meta_key):
                 raise not_found_error(session_id)
-            if not await self.client.set(lease_key, lease, nx=True, px=self.lease_ttl_ms):
+            if not await self.client.set(lease_key, lease_id, nx=True, px=self.lease_ttl_ms):
                 raise busy_error(session_id)
         except RedisError as exc:
             raise self._unavailable(exc) from exc
-        self._leases[session_id] = lease
+        lease = Lease(session_id, lease_id, SessionRecord(session_id))
         try:
-            return await self.get(session_id)
+            lease.record = await self.get(session_id)
         except BaseException:
-            await self.release(session_id)
+            await self.release(lease)
             raise
+        return lease
 
     @staticmethod
     def _meta(record: SessionRecord) -> dict[str, str]:
@@ -144,35 +163,43 @@ class RedisSessionStore:
             "target_address": record.target_address, "target_held": str(record.target_held),
         }
 
-    async def save(self, record: SessionRecord) -> None:
-        meta_key, tokens_key, lease_key = _keys(record.session_id)
-        lease = self._leases.get(record.session_id, "")
+    def _lease_lost(self, session_id: str, result: int) -> None:
+        """Raise for the lease check's failures (see LEASE_CHECK)."""
+        if result == -1:
+            raise not_found_error(session_id)
+        if result == -2:
+            raise taken_over_error(session_id)
+        if result == -4:
+            raise taken_over_error(session_id, lapsed_after_s=self.lease_ttl_ms / 1000)
+
+    async def save(self, record: SessionRecord, lease: Lease) -> None:
+        check_lease(record, lease)
         new_tokens = record.token_ids[record.stored_len:]
         try:
             result = await self._save(
-                keys=[meta_key, tokens_key, lease_key],
-                args=[lease, record.stored_len, self.ttl_ms, self.lease_ttl_ms,
+                keys=list(_keys(record.session_id)),
+                args=[lease.lease_id, record.stored_len, self.ttl_ms, self.lease_ttl_ms,
                       json.dumps(self._meta(record)), *new_tokens])
         except RedisError as exc:
             raise self._unavailable(exc) from exc
-        if result == -1:
-            raise not_found_error(record.session_id)
-        if result == -2:
-            raise FailedPrecondition(
-                f"session {record.session_id!r} lost its lease (another request took it over after "
-                f"{self.lease_ttl_ms / 1000:.0f}s without progress); the tokens committed so far are kept")
+        self._lease_lost(record.session_id, result)
         if result == -3:
             raise FailedPrecondition(
                 f"session {record.session_id!r} was changed by another writer; reload it and retry")
         record.stored_len = int(result)
 
-    async def release(self, session_id: str) -> None:
-        lease = self._leases.pop(session_id, None)
-        if lease is None:
-            return
-        _, _, lease_key = _keys(session_id)
+    async def renew(self, lease: Lease) -> None:
         try:
-            await self._release(keys=[lease_key], args=[lease])
+            result = await self._renew(keys=list(_keys(lease.session_id)),
+                                       args=[lease.lease_id, self.lease_ttl_ms])
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        self._lease_lost(lease.session_id, result)
+
+    async def release(self, lease: Lease) -> None:
+        _, _, lease_key = _keys(lease.session_id)
+        try:
+            await self._release(keys=[lease_key], args=[lease.lease_id])
         except RedisError:
             pass  # the lease expires on its own
 

@@ -33,18 +33,29 @@ class StartupError(RuntimeError):
     """The coordinator cannot start; the message says why."""
 
 
+def shared_vocab_size(draft: ModelDescription, target: ModelDescription) -> int:
+    """The ids both models can emit: below the smaller of their output sizes."""
+    return min(draft.vocab_size, target.vocab_size)
+
+
 def check_compatible(draft: ModelDescription, target: ModelDescription, tokenizer_fp: str) -> None:
-    """Draft, target and the coordinator's tokenizer must share one vocabulary."""
+    """Draft, target and the coordinator's tokenizer must agree on every id both models can emit
+    (the fingerprints are over ids < shared_vocab_size), and the models on their eos ids."""
+    shared = shared_vocab_size(draft, target)
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise StartupError(
             "draft and target use different tokenizers: "
             f"draft {draft.model_id!r} has {draft.tokenizer_vocab_size} tokens "
-            f"(fingerprint {draft.tokenizer_fingerprint[:12]}), target {target.model_id!r} has "
-            f"{target.tokenizer_vocab_size} tokens (fingerprint {target.tokenizer_fingerprint[:12]}); "
+            f"(output size {draft.vocab_size}, fingerprint {draft.tokenizer_fingerprint[:12]}), "
+            f"target {target.model_id!r} has {target.tokenizer_vocab_size} tokens "
+            f"(output size {target.vocab_size}, fingerprint {target.tokenizer_fingerprint[:12]}); "
+            f"some id below {shared} means different tokens to them: "
             "pick a draft model from the target's family")
     if set(draft.eos_token_ids) != set(target.eos_token_ids):
-        log.warning("draft eos ids %s differ from target eos ids %s; the target's are used",
-                    draft.eos_token_ids, target.eos_token_ids)
+        raise StartupError(
+            f"draft {draft.model_id!r} ends generation on eos ids {sorted(draft.eos_token_ids)}, "
+            f"target {target.model_id!r} on {sorted(target.eos_token_ids)}: they must agree; "
+            "pick a draft model from the target's family")
     if tokenizer_fp != target.tokenizer_fingerprint:
         raise StartupError(
             f"the coordinator's tokenizer (fingerprint {tokenizer_fp[:12]}) differs from the target's "
@@ -135,6 +146,10 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         try:
             draft_info = await _startup_info(draft, startup_timeout_s)
             target_info = await _startup_info(target, startup_timeout_s)
+            shared = shared_vocab_size(draft_info, target_info)
+            # the fingerprints over the ids both models can emit
+            draft_info = await draft.info(startup_timeout_s, fingerprint_vocab_size=shared)
+            target_info = await target.info(startup_timeout_s, fingerprint_vocab_size=shared)
         except SpecdecError as exc:
             raise StartupError(f"cannot reach the model services: {exc}") from exc
         tokenizer_source = config.tokenizer or target_info.model_id
@@ -142,7 +157,7 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
             tokenizer = load_tokenizer(tokenizer_source)
         except ModelLoadError as exc:
             raise StartupError(f"{exc}; set --tokenizer") from exc
-        check_compatible(draft_info, target_info, tokenizer_fingerprint(tokenizer))
+        check_compatible(draft_info, target_info, tokenizer_fingerprint(tokenizer, shared))
         try:
             store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s)
         except ValueError as exc:

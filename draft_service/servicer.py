@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.rpc.convert import dist_to_pb, model_info_to_pb, sampling_from_pb
+from typing import Callable
+
+from specdec.rpc.convert import description_for, dist_to_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.runtime.calls import deadline_of, run_call
 from specdec.runtime.worker import ModelWorker
@@ -13,14 +15,17 @@ from draft_service.proposer import ModelProposer
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: ModelProposer, description: ModelDescription, worker: ModelWorker):
+    def __init__(self, proposer: ModelProposer, description: ModelDescription, worker: ModelWorker,
+                 fingerprint: Callable[[int], str]):
         self.proposer = proposer
         self.description = description
         self.worker = worker
+        self.fingerprint = fingerprint  # tokenizer fingerprint over the ids below a size
 
     @map_errors
     async def GetModelInfo(self, request, context):
-        return draft_pb2.DraftServiceGetModelInfoResponse(info=model_info_to_pb(self.description))
+        description = description_for(request, self.description, self.fingerprint)
+        return draft_pb2.DraftServiceGetModelInfoResponse(info=model_info_to_pb(description))
 
     @map_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context):

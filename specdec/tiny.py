@@ -25,18 +25,19 @@ CORPUS = [
 ]
 
 
-def byte_level_tokenizer(vocab_size: int = 384) -> Any:
-    """A byte-level BPE tokenizer trained on a small built-in corpus (deterministic)."""
+def byte_level_tokenizer(vocab_size: int = 384, eos: str = EOS) -> Any:
+    """A byte-level BPE tokenizer trained on a small built-in corpus (deterministic); `eos` is its
+    only special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -54,18 +55,19 @@ def word_tokenizer(words: int = 12) -> Any:
 
 def model_config(arch: str, vocab_size: int, eos_token_id: int, context: int = 512, width: int = 32,
                  layers: int = 2) -> Any:
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
-    if arch == "llama":
-        return LlamaConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=width * 2,
-                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=context, eos_token_id=eos_token_id,
-                           bos_token_id=None, pad_token_id=eos_token_id, tie_word_embeddings=False)
+    if arch in ("llama", "qwen2"):
+        config_class = LlamaConfig if arch == "llama" else Qwen2Config
+        return config_class(vocab_size=vocab_size, hidden_size=width, intermediate_size=width * 2,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=context, eos_token_id=eos_token_id,
+                            bos_token_id=None, pad_token_id=eos_token_id, tie_word_embeddings=False)
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab_size, n_embd=width, n_layer=layers, n_head=4,
                           n_positions=context, eos_token_id=eos_token_id, bos_token_id=eos_token_id,
                           pad_token_id=eos_token_id)
-    raise ValueError(f"unknown tiny architecture {arch!r}: use llama or gpt2")
+    raise ValueError(f"unknown tiny architecture {arch!r}: use llama, qwen2 or gpt2")
 
 
 def build_model(path: str | Path, tokenizer: Any, arch: str = "llama", seed: int = 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from specdec.config import TargetConfig
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
+from specdec.runtime.loader import tokenizer_fingerprint
 from specdec.runtime.runner import runner_from_config
 from specdec.runtime.worker import ModelWorker
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -21,7 +22,8 @@ def start(config: TargetConfig) -> tuple[BackgroundServer, int, TargetServicer]:
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     runner = runner_from_config(config)
     worker = ModelWorker(config.max_queue, name="target-model")
-    servicer = TargetServicer(Verifier(runner), runner.description, worker)
+    servicer = TargetServicer(Verifier(runner), runner.description, worker,
+                     lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
                                       credentials, on_stop=worker.close)

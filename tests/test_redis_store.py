@@ -1,15 +1,23 @@
-"""The Redis session store against a real redis-server: leases, versioned appends, TTL, auth, TLS."""
+"""The Redis session store against a real redis-server: leases (one per request, renewed, taken over),
+versioned appends, long sessions, TTL, auth, TLS."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
+import time
 
+import grpc
 import pytest
+import redis
 
 from coordinator.redis_store import RedisSessionStore, _keys
-from coordinator.store import open_store
+from coordinator.store import Lease, MemorySessionStore, open_store
+from specdec import tiny
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
+from specdec.v1 import coordinator_pb2
+from tests.cluster import Cluster
 from tests.redis_server import RedisServer
 
 
@@ -19,15 +27,16 @@ def run(coro):
 
 async def _roundtrip(store: RedisSessionStore):
     record = await store.create()
-    leased = await store.acquire(record.session_id)
+    lease = await store.acquire(record.session_id)
+    leased = lease.record
     leased.token_ids += [1, 2, 3]
     leased.draft_address, leased.draft_held = "d:1", 2
     leased.stats = {"rounds": 4}
-    await store.save(leased)
+    await store.save(leased, lease)
     leased.token_ids += [4]
-    await store.save(leased)
+    await store.save(leased, lease)
     got = await store.get(record.session_id)
-    await store.release(record.session_id)
+    await store.release(lease)
     return record, got
 
 
@@ -60,17 +69,16 @@ def test_lease_is_exclusive_across_stores(redis_url):
             # b cannot write without the lease, even with a loaded record
             stale = await b.get(record.session_id)
             stale.token_ids.append(9)
-            with pytest.raises(FailedPrecondition, match="lost its lease"):
-                await b.save(stale)
-            await a.release(record.session_id)
+            with pytest.raises(FailedPrecondition, match="taken over"):
+                await b.save(stale, Lease(record.session_id, "not-the-lease", stale))
+            await a.release(held)
             again = await b.acquire(record.session_id)
             # a's record is stale now: it may not append behind b's back
-            again.token_ids.append(7)
-            await b.save(again)
-            a._leases[record.session_id] = b._leases[record.session_id]  # even with the lease id
-            held.token_ids.append(8)
+            again.record.token_ids.append(7)
+            await b.save(again.record, again)
+            held.record.token_ids.append(8)
             with pytest.raises(FailedPrecondition, match="changed by another writer"):
-                await a.save(held)
+                await a.save(held.record, again)  # even with b's lease
             assert (await a.get(record.session_id)).token_ids == [7]
         finally:
             await a.close()
@@ -160,3 +168,213 @@ def test_tls_url(tmp_path):
 def test_open_store_rejects_unknown_scheme():
     with pytest.raises(ValueError, match="unsupported --session-store"):
         open_store("postgres://x")
+
+
+# ---- one lease per request ----------------------------------------------------------------------
+
+def test_two_requests_never_use_each_others_lease(redis_url):
+    """One coordinator, two requests on one session (the first one's lease lapsed): each handle
+    writes, renews and releases only with its own lease id."""
+    async def body():
+        store = RedisSessionStore(redis_url, lease_ttl_s=0.2)
+        try:
+            record = await store.create()
+            lease_key = _keys(record.session_id)[2]
+            first = await store.acquire(record.session_id)
+            await asyncio.sleep(0.4)  # first stalls; its lease lapses
+            with pytest.raises(FailedPrecondition, match="taken over.*lapsed after 0.2s"):
+                await store.renew(first)
+            second = await store.acquire(record.session_id)
+            first.record.token_ids.append(1)
+            with pytest.raises(FailedPrecondition, match="taken over.*another request holds"):
+                await store.save(first.record, first)
+            with pytest.raises(FailedPrecondition, match="taken over"):
+                await store.renew(first)
+            await store.release(first)  # does not end second's lease
+            assert await store.client.get(lease_key) == second.lease_id
+            with pytest.raises(FailedPrecondition, match="generating in another request"):
+                await store.acquire(record.session_id)
+            second.record.token_ids.append(2)
+            await store.save(second.record, second)
+            await store.renew(second)
+            with pytest.raises(ValueError, match="saved under the lease"):
+                await store.save(await store.create(), second)
+            await store.release(second)
+            assert await store.client.get(lease_key) is None
+            assert (await store.get(record.session_id)).token_ids == [2]
+        finally:
+            await store.close()
+    run(body())
+
+
+def test_memory_store_leases_are_per_request():
+    async def body():
+        store = MemorySessionStore()
+        record = await store.create()
+        first = await store.acquire(record.session_id)
+        await store.release(first)
+        second = await store.acquire(record.session_id)
+        first.record.token_ids.append(1)
+        with pytest.raises(FailedPrecondition, match="taken over"):
+            await store.save(first.record, first)
+        with pytest.raises(FailedPrecondition, match="taken over"):
+            await store.renew(first)
+        await store.release(first)  # a stale handle releases nothing
+        with pytest.raises(FailedPrecondition, match="generating in another request"):
+            await store.acquire(record.session_id)
+        second.record.token_ids.append(2)
+        await store.save(second.record, second)
+        await store.renew(second)
+        await store.release(second)
+        assert (await store.get(record.session_id)).token_ids == [2]
+    run(body())
+
+
+def test_renewal_keeps_the_lease_past_its_ttl(redis_url):
+    async def body():
+        a = RedisSessionStore(redis_url, lease_ttl_s=0.3)
+        b = RedisSessionStore(redis_url, lease_ttl_s=0.3)
+        try:
+            record = await a.create()
+            lease = await a.acquire(record.session_id)
+            for _ in range(10):  # 1 s, three lease lifetimes
+                await asyncio.sleep(0.1)
+                await a.renew(lease)
+            with pytest.raises(FailedPrecondition, match="generating in another request"):
+                await b.acquire(record.session_id)
+        finally:
+            await a.close()
+            await b.close()
+    run(body())
+
+
+# ---- long sessions ------------------------------------------------------------------------------
+
+def test_saves_and_reloads_a_20000_token_session(redis_url):
+    """Lua's unpack takes ~8,000 values: a long first save is pushed in chunks, atomically."""
+    async def body():
+        store = RedisSessionStore(redis_url)
+        try:
+            record = await store.create()
+            lease = await store.acquire(record.session_id)
+            tokens = [(i * 7919) % 151_936 for i in range(20_000)]
+            lease.record.token_ids.extend(tokens)
+            await store.save(lease.record, lease)
+            lease.record.token_ids.extend(tokens[:9_000])
+            await store.save(lease.record, lease)
+            await store.release(lease)
+            assert (await store.get(record.session_id)).token_ids == tokens + tokens[:9_000]
+        finally:
+            await store.close()
+    run(body())
+
+
+@pytest.fixture(scope="module")
+def long_context_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("long")
+    tokenizer = tiny.byte_level_tokenizer()
+    target = tiny.build_model(root / "target", tokenizer, "llama", seed=41, context=16384)
+    draft = tiny.build_model(root / "draft", tokenizer, "llama", seed=42, layers=1, context=16384)
+    return str(draft), str(target)
+
+
+def test_long_prompt_end_to_end_through_redis(long_context_models, redis_url):
+    draft, target = long_context_models
+    prompt = [1 + (i * 7919) % 383 for i in range(10_500)]
+    with Cluster(draft, target, dtype="float32", coordinator={"session_store": redis_url}) as cluster:
+        response = cluster.complete(token_ids=prompt, max_new_tokens=8, num_speculative_tokens=3,
+                                    ignore_eos=True)
+        assert len(response.token_ids) == 8 and response.stats.prompt_tokens == len(prompt)
+        session = cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=response.session_id))
+        assert list(session.token_ids) == prompt + list(response.token_ids)
+        more = cluster.complete(session_id=response.session_id, token_ids=[5, 6], max_new_tokens=4,
+                                ignore_eos=True)
+        assert len(more.token_ids) == 4 and more.stats.target_prefill_tokens <= 4
+
+
+# ---- the engine renews its lease and stops when it is taken over ------------------------------
+
+def _in_thread(call):
+    """Run call() in a thread; returns (thread, outcome dict with 'result' or 'error')."""
+    outcome: dict = {}
+
+    def body():
+        try:
+            outcome["result"] = call()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _wait_for(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _stuck_request(cluster, redis_client):
+    """A continued session whose request is stuck waiting for the (stopped) target; returns
+    (session id, tokens stored before it, thread, outcome) once its input is committed."""
+    first = cluster.complete(prompt="def fibonacci(n):", max_new_tokens=4, ignore_eos=True)
+    sid = first.session_id
+    tokens_key = _keys(sid)[1]
+    before = redis_client.llen(tokens_key)
+    cluster.target.stop(None).wait()
+    thread, outcome = _in_thread(lambda: cluster.complete(session_id=sid, token_ids=[5, 6], max_new_tokens=8,
+                                                          num_speculative_tokens=2, ignore_eos=True))
+    _wait_for(lambda: redis_client.llen(tokens_key) == before + 2, "the request to commit its input")
+    return sid, before, thread, outcome
+
+
+def test_renewal_keeps_a_long_request_lease_alive(models, redis_url):
+    """A request waiting for its target far longer than the lease keeps its session."""
+    lease_s = 1.0
+    paths = models["llama"]
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with Cluster(paths["draft"], paths["target"],
+                 coordinator={"session_store": redis_url, "session_lease_s": lease_s}) as cluster:
+        sid, before, thread, outcome = _stuck_request(cluster, client)
+        time.sleep(3 * lease_s)  # three lease lifetimes without a round finishing
+        assert thread.is_alive(), outcome
+
+        async def other_replica_acquires():
+            store = RedisSessionStore(redis_url, lease_ttl_s=lease_s)
+            try:
+                await store.acquire(sid)
+            finally:
+                await store.close()
+        with pytest.raises(FailedPrecondition, match="generating in another request"):
+            run(other_replica_acquires())
+        cluster._start_target(cluster.target_port)
+        thread.join(120)
+        assert "error" not in outcome, outcome
+        assert len(outcome["result"].token_ids) == 8
+        assert client.llen(_keys(sid)[1]) == before + 2 + 8
+    client.close()
+
+
+def test_request_whose_session_was_taken_over_stops(models, redis_url):
+    paths = models["llama"]
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with Cluster(paths["draft"], paths["target"],
+                 coordinator={"session_store": redis_url, "session_lease_s": 1.0}) as cluster:
+        sid, before, thread, outcome = _stuck_request(cluster, client)
+        stored = client.lrange(_keys(sid)[1], 0, -1)
+        # another replica took the session over (as after a lapse of this request's lease)
+        client.set(_keys(sid)[2], "another-request", px=60_000)
+        cluster._start_target(cluster.target_port)
+        thread.join(120)
+        error = outcome.get("error")
+        assert isinstance(error, grpc.RpcError), outcome
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "was taken over" in error.details() and sid in error.details()
+        # the tokens it committed stay; nothing after the takeover was written; the new holder keeps its lease
+        assert client.lrange(_keys(sid)[1], 0, -1) == stored and len(stored) == before + 2
+        assert client.get(_keys(sid)[2]) == "another-request"
+    client.close()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
+from specdec.errors import InvalidArgument
 from specdec.types import ModelDescription, SamplingParams, SparseDist
 from specdec.v1 import common_pb2
 
@@ -42,6 +46,18 @@ def model_info_to_pb(desc: ModelDescription) -> common_pb2.ModelInfo:
         device=desc.device,
         max_speculative_tokens=desc.max_speculative_tokens,
     )
+
+
+def description_for(request: Any, description: ModelDescription,
+                    fingerprint: Callable[[int], str]) -> ModelDescription:
+    """What a Draft/TargetService GetModelInfo request asks for: the description, its tokenizer
+    fingerprint over the ids below request.fingerprint_vocab_size when that is set."""
+    if not request.HasField("fingerprint_vocab_size"):
+        return description
+    limit = request.fingerprint_vocab_size
+    if limit < 1:
+        raise InvalidArgument(f"fingerprint_vocab_size must be >= 1 (or unset), got {limit}")
+    return dataclasses.replace(description, tokenizer_fingerprint=fingerprint(limit))
 
 
 def model_info_from_pb(pb: common_pb2.ModelInfo) -> ModelDescription:

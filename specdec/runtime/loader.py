@@ -81,14 +81,16 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
     return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 over the vocabulary (token -> id, added tokens included).
+def tokenizer_fingerprint(tokenizer: Any, limit: int | None = None) -> str:
+    """sha256 over the vocabulary's (id, token) pairs with id < limit (None: all of them).
 
-    Two models can draft for each other exactly when the same id means the same token; which
-    tokens a checkpoint calls bos or pad does not matter (the target's eos ids decide stopping).
+    Two models can draft for each other exactly when every id either can emit (below the
+    smaller output size) means the same token to both; entries past a model's output size
+    (e.g. an unk/pad a tokenizer class adds) cannot be emitted and do not matter, nor does
+    which tokens a checkpoint calls bos or pad.
     """
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    vocab = sorted((i, t) for t, i in tokenizer.get_vocab().items() if limit is None or i < limit)
+    return hashlib.sha256(json.dumps([[t, i] for i, t in vocab], ensure_ascii=False).encode()).hexdigest()
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

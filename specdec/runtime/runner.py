@@ -44,7 +44,7 @@ class ModelRunner:
         self.description = ModelDescription(
             model_id=loaded.model_id,
             vocab_size=self.vocab_size,
-            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer, self.vocab_size),
             tokenizer_vocab_size=len(loaded.tokenizer),
             eos_token_ids=eos_token_ids(self.model, loaded.tokenizer),
             max_context_length=self.context_length,

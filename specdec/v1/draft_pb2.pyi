@@ -8,8 +8,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftServiceGetModelInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("fingerprint_vocab_size",)
+    FINGERPRINT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    fingerprint_vocab_size: int
+    def __init__(self, fingerprint_vocab_size: _Optional[int] = ...) -> None: ...
 
 class DraftServiceGetModelInfoResponse(_message.Message):
     __slots__ = ("info",)
