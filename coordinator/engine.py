@@ -139,13 +139,19 @@ class Engine:
             ids = list(request.token_ids)
             if not ids and not continuing:
                 raise InvalidArgument("token_ids is empty: give at least one token")
-            bad = [t for t in ids if not 0 <= t < self.vocab_limit]
-            if bad:
-                raise InvalidArgument(f"token_ids outside the vocabulary [0, {self.vocab_limit}): {bad[:5]}")
             return ids
         if not continuing:
             raise InvalidArgument("no input: set prompt, token_ids or messages")
         return []
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        """Every input id must be one both models can take (a text prompt can encode to an added
+        token past a model's embedding): refused before anything is committed."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_limit]
+        if bad:
+            raise InvalidArgument(f"the input holds token ids outside the vocabulary both models share "
+                                  f"[0, {self.vocab_limit}): {bad[:5]}")
+        return ids
 
     def _check_length(self, committed: int, added: int) -> None:
         if added > self.max_prompt_tokens:
@@ -162,13 +168,13 @@ class Engine:
         if request.session_id:
             lease = await self.store.acquire(request.session_id)
             try:
-                added = self._encode(request, continuing=bool(lease.record.token_ids))
+                added = self._check_ids(self._encode(request, continuing=bool(lease.record.token_ids)))
                 self._check_length(len(lease.record.token_ids), len(added))
             except BaseException:
                 await self.store.release(lease)
                 raise
             return lease, added
-        added = self._encode(request, continuing=False)
+        added = self._check_ids(self._encode(request, continuing=False))
         self._check_length(0, len(added))
         created = await self.store.create()
         return await self.store.acquire(created.session_id), added

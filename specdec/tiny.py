@@ -71,14 +71,16 @@ def model_config(arch: str, vocab_size: int, eos_token_id: int, context: int = 5
 
 
 def build_model(path: str | Path, tokenizer: Any, arch: str = "llama", seed: int = 0,
-                dtype: torch.dtype = torch.float32, init_std: float = 0.5, **config_kwargs: Any) -> Path:
+                dtype: torch.dtype = torch.float32, init_std: float = 0.5, vocab_size: int | None = None,
+                **config_kwargs: Any) -> Path:
     """Build a random model with a fixed seed and save it (with its tokenizer) to path.
 
-    init_std widens the random init so the tiny model's distributions are not flat.
+    init_std widens the random init so the tiny model's distributions are not flat;
+    vocab_size (default: the tokenizer's) sets the embedding and output size.
     """
     from transformers import AutoModelForCausalLM
 
-    config = model_config(arch, len(tokenizer), tokenizer.eos_token_id, **config_kwargs)
+    config = model_config(arch, vocab_size or len(tokenizer), tokenizer.eos_token_id, **config_kwargs)
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)

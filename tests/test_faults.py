@@ -66,3 +66,22 @@ def test_continuation_appends_and_reuses_caches(llama_cluster):
     assert deleted.deleted
     assert first.session_id not in llama_cluster.target_servicer.verifier.runner.caches
     assert first.session_id not in llama_cluster.draft_servicer.proposer.runner.caches
+
+
+def test_draft_refusing_a_token_falls_back_to_target_only(models, tmp_path):
+    """A draft whose embedding is smaller than the target's answers INVALID_ARGUMENT once the
+    target emits an id it cannot take: those rounds run target-only and the output is unchanged."""
+    from specdec import tiny
+    from tests.test_continuation import target_only
+
+    draft = tiny.build_model(tmp_path / "small-draft", tiny.byte_level_tokenizer(), "llama", seed=12,
+                             layers=1, vocab_size=200)
+    target = models["llama"]["target"]
+    prompt = [70, 71, 72, 84, 85, 86]  # ids both models take
+    expected = target_only(target, prompt, 60)
+    assert max(expected) >= 200, "the target never emits an id past the draft's embedding: no fallback to see"
+    with Cluster(str(draft), target, coordinator={"draft_retry_s": 0.0}) as cluster:
+        response = cluster.complete(token_ids=prompt, max_new_tokens=60, num_speculative_tokens=3,
+                                    ignore_eos=True)
+    assert list(response.token_ids) == expected
+    assert response.stats.fallback_rounds > 0 and response.stats.draft_tokens > 0
