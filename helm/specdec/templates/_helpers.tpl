@@ -1,0 +1,109 @@
+{{/*
+Names and labels. Component helpers take (dict "root" $ "component" "draft").
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "specdec.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The prefix of every resource name: fullnameOverride, else "<release>-<chart name>"
+(just the release name when it already contains the chart name). */}}
+{{- define "specdec.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>": the name of a tier's objects. */}}
+{{- define "specdec.componentName" -}}
+{{- printf "%s-%s" (include "specdec.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* chart label value */}}
+{{- define "specdec.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The labels that select a tier's pods. */}}
+{{- define "specdec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdec.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All labels of a tier's objects. */}}
+{{- define "specdec.labels" -}}
+helm.sh/chart: {{ include "specdec.chart" .root }}
+{{ include "specdec.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: specdec
+{{- end }}
+
+{{/* "repository:tag" of a tier's image. */}}
+{{- define "specdec.image" -}}
+{{- printf "%s:%s" .repository (toString .tag) }}
+{{- end }}
+
+{{/* Whether a tier's replica count is left to an autoscaler ("true" or ""). */}}
+{{- define "specdec.autoscaled" -}}
+{{- if and .autoscaling .autoscaling.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The Service names the coordinator watches. */}}
+{{- define "specdec.draftService" -}}
+{{- .Values.coordinator.discovery.draftService | default (include "specdec.componentName" (dict "root" . "component" "draft")) }}
+{{- end }}
+{{- define "specdec.targetService" -}}
+{{- .Values.coordinator.discovery.targetService | default (include "specdec.componentName" (dict "root" . "component" "target")) }}
+{{- end }}
+
+{{/* The Secret holding the in-chart Redis password. */}}
+{{- define "specdec.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (include "specdec.componentName" (dict "root" . "component" "redis")) }}
+{{- end }}
+
+{{/* The session store URL given to the coordinator (may reference $(REDIS_PASSWORD)). */}}
+{{- define "specdec.sessionStore" -}}
+{{- $redis := .Values.redis }}
+{{- if $redis.enabled }}
+{{- $host := printf "%s:%d" (include "specdec.componentName" (dict "root" . "component" "redis")) (int $redis.service.port) }}
+{{- if $redis.auth.enabled }}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s/0" $host }}
+{{- else }}
+{{- printf "redis://%s/0" $host }}
+{{- end }}
+{{- else if $redis.external.url }}
+{{- $parts := splitList "://" $redis.external.url }}
+{{- if $redis.external.existingSecret }}
+{{- printf "%s://:$(REDIS_PASSWORD)@%s" (index $parts 0) (index $parts 1) }}
+{{- else }}
+{{- $redis.external.url }}
+{{- end }}
+{{- else }}memory
+{{- end }}
+{{- end }}
+
+{{/* Fail early on values that cannot work together. */}}
+{{- define "specdec.validate" -}}
+{{- if and .Values.redis.enabled .Values.redis.external.url }}
+{{- fail "redis.enabled and redis.external.url are both set: pick the in-chart Redis or the external one" }}
+{{- end }}
+{{- if and .Values.tls.internal.enabled (or (not .Values.tls.internal.serverSecret) (not .Values.tls.internal.clientSecret)) }}
+{{- fail "tls.internal.enabled needs tls.internal.serverSecret and tls.internal.clientSecret" }}
+{{- end }}
+{{- if and .Values.tls.public.enabled (not .Values.tls.public.secretName) }}
+{{- fail "tls.public.enabled needs tls.public.secretName" }}
+{{- end }}
+{{- if and .Values.apiKey.enabled (not .Values.apiKey.existingSecret) }}
+{{- fail "apiKey.enabled needs apiKey.existingSecret (a Secret holding the key)" }}
+{{- end }}
+{{- end }}
