@@ -273,7 +273,7 @@ class Engine:
         updates the held lengths."""
         record, stats = run.record, run.stats
         base = len(record.token_ids)
-        draft_seed, target_seed = rng.next_seed(), rng.next_seed()
+        draft_seed, target_seed = rng.round_seeds()
         proposal = Proposal([], [])
         if gamma > 0 and time.monotonic() < self.draft_down_until:
             stats.fallback_rounds += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import grpc
 
 from specdec.config import DraftConfig
@@ -16,10 +18,12 @@ DEFAULT_PORT = 50052
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-def start(config: DraftConfig) -> tuple[grpc.Server, int, DraftServicer]:
-    """Load the model and serve it; returns (server, bound port, servicer)."""
+def start(config: DraftConfig, interceptors: Sequence[grpc.ServerInterceptor] = ()
+          ) -> tuple[grpc.Server, int, DraftServicer]:
+    """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     runner = runner_from_config(config)
     servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description)
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
-                                      draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)
+                                      draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,
+                                      interceptors)
     return server, port, servicer

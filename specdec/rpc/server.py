@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent import futures
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,11 +37,11 @@ def _bind(server, host: str, port: int) -> int:
 
 
 def build_sync_server(register: Callable[[grpc.Server], None], service_names: Iterable[str],
-                      host: str, port: int, max_workers: int, max_message_bytes: int
-                      ) -> tuple[grpc.Server, int]:
+                      host: str, port: int, max_workers: int, max_message_bytes: int,
+                      interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
     """A started thread-pool server; returns (server, bound port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=channel_options(max_message_bytes))
+                         options=channel_options(max_message_bytes), interceptors=list(interceptors))
     register(server)
     health_servicer = health.HealthServicer()
     names = list(service_names)
@@ -69,8 +69,9 @@ async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_
     return server, bound
 
 
-def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str
-                       ) -> tuple[grpc.Server, int]:
+def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str,
+                       interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
     """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
     return build_sync_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
-                             config.port or default_port, config.max_workers, config.max_message_bytes)
+                             config.port or default_port, config.max_workers, config.max_message_bytes,
+                             interceptors)
