@@ -16,6 +16,7 @@ from specdec.errors import (
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
+from coordinator.chat import render_messages
 from coordinator.clients import DraftClient, TargetClient, release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
 from coordinator.stats import GenerationStats
@@ -117,17 +118,7 @@ class Engine:
                 raise InvalidArgument("prompt is empty: give some text, token_ids or messages")
             return list(self.tokenizer(request.prompt, add_special_tokens=not continuing)["input_ids"])
         if request.messages is not None:
-            if not request.messages:
-                raise InvalidArgument("messages is empty: give at least one chat message")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidArgument("this model's tokenizer has no chat template: send a prompt instead")
-            for role, _ in request.messages:
-                if not role:
-                    raise InvalidArgument("every chat message needs a role (system, user, assistant)")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in request.messages],
-                tokenize=False, add_generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return render_messages(self.tokenizer, request.messages, continuing)
         if request.token_ids is not None:
             ids = list(request.token_ids)
             if not ids and not continuing:
