@@ -13,6 +13,7 @@ from specdec.errors import (
     CacheMiss, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceFault, SpecdecError,
     Unavailable,
 )
+from specdec.logtag import session_tag
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
@@ -188,7 +189,7 @@ class Engine:
         try:
             await self.store.save(record)
         except SpecdecError as exc:
-            log.info("session %s: could not record the released caches (%s)", record.session_id, exc)
+            log.info("session %s: could not record the released caches (%s)", session_tag(record.session_id), exc)
 
     async def _run(self, request: GenerationRequest, record: SessionRecord, added: list[int],
                    max_new: int, gamma: int) -> AsyncIterator[Chunk]:
@@ -337,4 +338,4 @@ class Engine:
             raise FailedPrecondition(f"{service} service reported a cache miss at prefix_len 0: {miss}")
         run.stats.cache_misses += 1
         log.info("%s cache miss for session %s (held %d, assumed %d): resending history",
-                 service, run.record.session_id, miss.held, prefix)
+                 service, session_tag(run.record.session_id), miss.held, prefix)

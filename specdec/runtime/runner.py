@@ -8,6 +8,7 @@ import threading
 import torch
 
 from specdec.errors import CacheMiss, InvalidArgument, ResourceExhausted
+from specdec.logtag import session_tag
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import (
     LoadedModel,
@@ -98,7 +99,7 @@ class ModelRunner:
         """Apply the cache bounds after a call (never evicting the session just used)."""
         evicted = self.caches.enforce_limits(keep=session_id)
         if evicted:
-            log.info("evicted %d session cache(s): %s", len(evicted), evicted)
+            log.info("evicted %d session cache(s): %s", len(evicted), [session_tag(s) for s in evicted])
 
     def release(self, session_id: str) -> bool:
         with self.lock:
