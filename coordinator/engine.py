@@ -14,9 +14,11 @@ from specdec.errors import (
     Unavailable,
 )
 from specdec.fingerprint import PrefixHashes
+from specdec.logtag import session_tag
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
+from coordinator.chat import render_messages
 from coordinator.clients import DraftClient, TargetClient, release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
 from coordinator.lease_keeper import LeaseKeeper
@@ -124,17 +126,7 @@ class Engine:
                 raise InvalidArgument("prompt is empty: give some text, token_ids or messages")
             return list(self.tokenizer(request.prompt, add_special_tokens=not continuing)["input_ids"])
         if request.messages is not None:
-            if not request.messages:
-                raise InvalidArgument("messages is empty: give at least one chat message")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidArgument("this model's tokenizer has no chat template: send a prompt instead")
-            for role, _ in request.messages:
-                if not role:
-                    raise InvalidArgument("every chat message needs a role (system, user, assistant)")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in request.messages],
-                tokenize=False, add_generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return render_messages(self.tokenizer, request.messages, continuing)
         if request.token_ids is not None:
             ids = list(request.token_ids)
             if not ids and not continuing:
@@ -215,7 +207,7 @@ class Engine:
         try:
             await self.store.save(record, lease)
         except SpecdecError as exc:
-            log.info("session %s: could not record the released caches (%s)", record.session_id, exc)
+            log.info("session %s: could not record the released caches (%s)", session_tag(record.session_id), exc)
 
     async def _run(self, request: GenerationRequest, record: SessionRecord, lease: Lease,
                    added: list[int], max_new: int, gamma: int) -> AsyncIterator[Chunk]:
@@ -294,7 +286,7 @@ class Engine:
         updates the held lengths."""
         record, stats = run.record, run.stats
         base = len(record.token_ids)
-        draft_seed, target_seed = rng.next_seed(), rng.next_seed()
+        draft_seed, target_seed = rng.round_seeds()
         proposal = Proposal([], [])
         if gamma > 0 and time.monotonic() < self.draft_down_until:
             stats.fallback_rounds += 1
@@ -369,4 +361,4 @@ class Engine:
             raise FailedPrecondition(f"{service} service reported a cache miss at prefix_len 0: {miss}")
         run.stats.cache_misses += 1
         log.info("%s cache miss for session %s (held %d, assumed %d): resending history",
-                 service, run.record.session_id, miss.held, prefix)
+                 service, session_tag(run.record.session_id), miss.held, prefix)

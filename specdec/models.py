@@ -21,11 +21,15 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "specdec-manifest.json"
 CHUNK = 1 << 20
+# <|im_end|> (chat turns) and <|endoftext|> (plain prompts): the upstream Qwen2.5 checkpoints'
+# generation_config.json lists both; the GGUF carries only the first.
+QWEN_EOS_TOKEN_IDS = (151645, 151643)
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,27 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def ensure_eos_token_ids(model_dir: Path, eos_ids: Sequence[int]) -> bool:
+    """Make model_dir's generation config end on every id of eos_ids (in that order, then any
+    other ids it had). Creates the generation config from the model config when it is missing.
+    Returns True when the directory changed."""
+    from transformers import AutoConfig, GenerationConfig
+
+    model_dir = Path(model_dir)
+    if (model_dir / "generation_config.json").is_file():
+        config = GenerationConfig.from_pretrained(model_dir)
+    else:
+        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+    had = config.eos_token_id
+    had = [] if had is None else [had] if isinstance(had, int) else list(had)
+    wanted = list(eos_ids) + [i for i in had if i not in eos_ids]
+    if wanted == had and (model_dir / "generation_config.json").is_file():
+        return False
+    config.eos_token_id = wanted
+    config.save_pretrained(model_dir)
+    return True
+
+
 def _from_hub(artifact: Artifact, out_dir: Path, dtype: str) -> bool:
     """Download and save from the hub; False when the hub cannot be reached."""
     try:
@@ -168,11 +193,14 @@ def fetch_one(artifact: Artifact, root: Path | None = None, source: str = "auto"
     out_dir = model_dir(artifact, root)
     if verify_dir(out_dir):
         echo(f"{artifact.role}: verified {out_dir}")
+        if ensure_eos_token_ids(out_dir, QWEN_EOS_TOKEN_IDS):  # converted by an older version
+            _write_manifest(out_dir, json.loads((out_dir / MANIFEST).read_text())["source"])
         return out_dir
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     if source in ("auto", "hub") and _from_hub(artifact, out_dir, dtype):
+        ensure_eos_token_ids(out_dir, QWEN_EOS_TOKEN_IDS)
         _write_manifest(out_dir, f"hub:{artifact.hub_repo}")
         return out_dir
     if source == "hub":
@@ -189,6 +217,7 @@ def fetch_one(artifact: Artifact, root: Path | None = None, source: str = "auto"
         echo(f"{artifact.role}: sha256 verified; converting to {dtype}")
         try:
             convert_gguf(gguf, out_dir, dtype)
+            ensure_eos_token_ids(out_dir, QWEN_EOS_TOKEN_IDS)
         except Exception:
             shutil.rmtree(out_dir, ignore_errors=True)
             raise

@@ -1,9 +1,11 @@
 """Per-request random generators (never the global RNG).
 
 The coordinator owns one `RequestRng` per request, seeded from the request's
-seed (or a fresh random one). Each round it derives one seed for the draft and
-one for the target, which build a torch.Generator from it: a seeded request is
-reproducible end to end, and a resent round draws the same numbers.
+seed (or a fresh random one). Each round it takes `round_seeds()`: one seed for
+the draft and one for the target, which build a torch.Generator from it. No two
+seeds of a request are equal, so the draft's and the target's draws are never
+the same stream, nor is any round's a repeat of another's; a seeded request is
+reproducible end to end, and a resent round reuses its seeds.
 """
 
 from __future__ import annotations
@@ -22,9 +24,25 @@ class RequestRng:
     def __init__(self, seed: int | None = None):
         self.seed = secrets.randbits(SEED_BITS) if seed is None else int(seed)
         self._random = random.Random(self.seed)
+        self._issued: set[int] = set()
 
     def next_seed(self) -> int:
+        """The next raw draw of the request's seed stream (may repeat, in principle)."""
         return self._random.getrandbits(SEED_BITS)
+
+    def _fresh_seed(self) -> int:
+        """A seed never handed out before by this request."""
+        seed = self.next_seed()
+        while seed in self._issued:
+            seed = self.next_seed()
+        self._issued.add(seed)
+        return seed
+
+    def round_seeds(self) -> tuple[int, int]:
+        """(draft_seed, target_seed) of the next round: distinct from each other and from
+        every seed of the request's earlier rounds."""
+        draft_seed = self._fresh_seed()
+        return draft_seed, self._fresh_seed()
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import grpc
+
 from specdec.config import TargetConfig
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
@@ -17,8 +21,9 @@ DEFAULT_PORT = 50053
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
-def start(config: TargetConfig) -> tuple[BackgroundServer, int, TargetServicer]:
-    """Load the model and serve it; returns (server, bound port, servicer)."""
+def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+          ) -> tuple[BackgroundServer, int, TargetServicer]:
+    """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     runner = runner_from_config(config)
     worker = ModelWorker(config.max_queue, name="target-model")
@@ -26,5 +31,5 @@ def start(config: TargetConfig) -> tuple[BackgroundServer, int, TargetServicer]:
                      lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
-                                      credentials, on_stop=worker.close)
+                                      credentials, interceptors, on_stop=worker.close)
     return server, port, servicer

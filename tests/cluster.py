@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 
@@ -40,12 +40,15 @@ class Cluster:
     def __init__(self, draft_model: str, target_model: str, dtype: str = "float64",
                  coordinator: dict | None = None, draft: dict | None = None, target: dict | None = None,
                  client_credentials: grpc.ChannelCredentials | None = None,
-                 metadata: tuple[tuple[str, str], ...] = ()):
+                 metadata: tuple[tuple[str, str], ...] = (),
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        """interceptors: server interceptors both model services run behind (test spies)."""
         self.draft_config = DraftConfig(model=draft_model, dtype=dtype, port=0, **(draft or {}))
         self.target_config = TargetConfig(model=target_model, dtype=dtype, port=0, **(target or {}))
         self.coordinator_overrides = coordinator or {}
         self.client_credentials = client_credentials
         self.metadata = metadata
+        self.interceptors = tuple(interceptors)
         self.loop = LoopThread()
         self.draft_port = self.target_port = 0
         self.draft = self.target = self.coordinator = None
@@ -53,11 +56,11 @@ class Cluster:
 
     def _start_draft(self, port: int) -> None:
         config = dataclasses.replace(self.draft_config, port=port or _free_port())
-        self.draft, self.draft_port, self.draft_servicer = draft_server.start(config)
+        self.draft, self.draft_port, self.draft_servicer = draft_server.start(config, self.interceptors)
 
     def _start_target(self, port: int) -> None:
         config = dataclasses.replace(self.target_config, port=port or _free_port())
-        self.target, self.target_port, self.target_servicer = target_server.start(config)
+        self.target, self.target_port, self.target_servicer = target_server.start(config, self.interceptors)
 
     def start(self) -> "Cluster":
         self._start_draft(0)

@@ -65,3 +65,41 @@ def test_pinned_pair_matches_the_issue():
 def test_default_pair_missing_says_fetch(tmp_path):
     with pytest.raises(models.FetchError, match="specdec models fetch"):
         models.default_pair(tmp_path)
+
+
+def _eos(directory):
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(directory).eos_token_id
+
+
+def test_converted_qwen_pair_ends_on_both_eos_ids(tmp_path):
+    """A GGUF conversion carries only <|im_end|>; the function adds <|endoftext|> like upstream."""
+    from transformers import GenerationConfig
+
+    from specdec import tiny
+
+    directory = tiny.build_model(tmp_path / "m", tiny.word_tokenizer(12), "llama", seed=1)
+    converted = GenerationConfig.from_pretrained(directory)
+    converted.eos_token_id = 151645  # what the GGUF loader writes for Qwen2.5
+    converted.save_pretrained(directory)
+    assert models.ensure_eos_token_ids(directory, models.QWEN_EOS_TOKEN_IDS)
+    assert _eos(directory) == [151645, 151643]
+    assert not models.ensure_eos_token_ids(directory, models.QWEN_EOS_TOKEN_IDS)  # idempotent
+    assert _eos(directory) == [151645, 151643]
+    from specdec.runtime.loader import eos_token_ids, load_model
+
+    loaded = load_model(str(directory))  # what the services report as their eos ids
+    assert {151645, 151643} <= set(eos_token_ids(loaded.model, loaded.tokenizer))
+
+
+def test_eos_ids_keep_other_ids_and_create_a_missing_generation_config(tmp_path):
+    from specdec import tiny
+
+    directory = tiny.build_model(tmp_path / "m", tiny.word_tokenizer(12), "llama", seed=1)
+    assert _eos(directory) == 0
+    models.ensure_eos_token_ids(directory, (7, 9))
+    assert _eos(directory) == [7, 9, 0]
+    (directory / "generation_config.json").unlink()
+    assert models.ensure_eos_token_ids(directory, (7, 9))
+    assert _eos(directory) == [7, 9, 0]  # the model config's eos (0) is kept too

@@ -44,6 +44,19 @@ def test_warp_temperature_scales_logits():
     assert torch.allclose(warped, LOGITS * 2)
 
 
+@pytest.mark.parametrize("temperature, top_p, kept", [
+    (0.25, 0.75, [0]),  # sharpened first: token 0 alone holds 0.87 >= 0.75 (at T=1 it holds 0.5)
+    (4.0, 0.45, [0, 1]),  # flattened first: token 0 holds 0.37 < 0.45 (at T=1 it holds 0.5)
+])
+def test_temperature_applies_before_top_p(temperature, top_p, kept):
+    """The kept set depends on the order; the warp is temperature, then top-k, then top-p."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))  # [1, vocab=3]
+    probs = target_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))[0]
+    assert (probs > 0).nonzero().flatten().tolist() == kept
+    expected = torch.softmax(logits[0, kept] / temperature, dim=0)
+    assert torch.allclose(probs[kept], expected)
+
+
 def test_truncate_top_k_and_densify_round_trip():
     probs = torch.softmax(LOGITS, dim=-1)
     ids, kept = truncate_top_k(probs, 3)

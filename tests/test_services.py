@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -13,6 +15,7 @@ from coordinator.server import StartupError, start as start_coordinator
 from specdec import tiny
 from specdec.fingerprint import fingerprint
 from specdec.config import CoordinatorConfig, TargetConfig
+from specdec.runtime.loader import load_model
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service import server as target_server
 from tests.cluster import Cluster
@@ -72,6 +75,53 @@ def test_propose_returns_truncated_distribution_it_sampled_from(llama_cluster):
             num_speculative_tokens=4, sampling=sampling, seed=3))
         assert again.cached_len == 4 + 3  # rolled back to 3, appended one, fed three drafts
         draft.Release(draft_pb2.DraftServiceReleaseRequest(session_id="dist"))
+
+
+def reference_proposal(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                       proposal_top_k: int = 32) -> dict[int, float]:
+    """The draft's q at one position, computed independently in float64: temperature, top-k,
+    top-p, then the K most likely kept and renormalised. logits [vocab] -> {token id: prob}."""
+    z = logits / temperature
+    if 0 < top_k < len(z):
+        z = np.where(z < np.sort(z)[-top_k], -np.inf, z)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        probs[order[mass_before >= top_p]] = 0.0
+        probs /= probs.sum()
+    kept = [int(i) for i in np.argsort(-probs, kind="stable")[:proposal_top_k] if probs[i] > 0]
+    total = probs[kept].sum()
+    return {i: float(probs[i] / total) for i in kept}
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (0.5, 0, 1.0), (1.7, 0, 1.0), (0.5, 20, 1.0), (1.7, 0, 0.9), (0.7, 50, 0.8),
+])
+def test_propose_returns_q_of_the_requested_warp(models, llama_cluster, temperature, top_k, top_p):
+    """q at every drafted position is the request's warp (not temperature 1), top-K truncated."""
+    prompt = [5, 6, 7, 8, 9]
+    with grpc.insecure_channel(f"127.0.0.1:{llama_cluster.draft_port}") as channel:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        session = f"warp-{temperature}-{top_k}-{top_p}"
+        response = draft.Propose(draft_pb2.ProposeRequest(
+            session_id=session, prefix_len=0, new_tokens=prompt, num_speculative_tokens=4,
+            sampling=sampling, seed=11))
+        draft.Release(draft_pb2.DraftServiceReleaseRequest(session_id=session))
+    model = load_model(models["llama"]["draft"], "float64").model
+    drafts = list(response.draft_tokens)
+    assert len(drafts) == len(response.draft_probs) == 4
+    with torch.inference_mode():
+        for i, dist in enumerate(response.draft_probs):
+            logits = model(torch.tensor([prompt + drafts[:i]])).logits[0, -1].numpy()  # [vocab]
+            expected = reference_proposal(logits, temperature, top_k, top_p)
+            got = dict(zip(dist.token_ids, dist.probs))
+            assert set(got) == set(expected), f"position {i}: other token ids than the warp keeps"
+            assert drafts[i] in got
+            for token, prob in expected.items():
+                assert abs(got[token] - prob) < 1e-5, (i, token, got[token], prob)
 
 
 def test_kv_caches_are_bounded_lru(models, tmp_path):

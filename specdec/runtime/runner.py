@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from specdec.errors import CacheMiss, InvalidArgument, ResourceExhausted
+from specdec.logtag import session_tag
 from specdec.runtime.kv_cache import SessionCache, SessionCaches, common_prefix
 from specdec.runtime.loader import (
     LoadedModel,
@@ -161,7 +162,7 @@ class ModelRunner:
         """Apply the cache bounds after a call (never evicting the session just used)."""
         evicted = self.caches.enforce_limits(keep=session_id)
         if evicted:
-            log.info("evicted %d session cache(s)", len(evicted))
+            log.info("evicted %d session cache(s): %s", len(evicted), [session_tag(s) for s in evicted])
 
     def release(self, session_id: str) -> bool:
         """Forget a session's cache. Never waits for the model: a forward running on it keeps

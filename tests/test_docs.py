@@ -1,0 +1,34 @@
+"""The documentation stays inside the repository: no pointers to files users never have."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+OUTSIDE = ("../shared", "shared/DESIGN.md", "/work/")
+
+
+def test_docs_exist():
+    assert (ROOT / "docs" / "design.md").is_file()
+    assert "docs/design.md" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_never_point_outside_the_repository(doc):
+    text = doc.read_text()
+    for pointer in OUTSIDE:
+        assert pointer not in text, f"{doc.name} refers to {pointer!r}, outside the repository"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve_inside_the_repository(doc):
+    for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", doc.read_text()):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        resolved = (doc.parent / target).resolve()
+        assert resolved.is_relative_to(ROOT), f"{doc.name} links outside the repository: {target}"
+        assert resolved.exists(), f"{doc.name} links to a missing file: {target}"
