@@ -6,12 +6,21 @@ import grpc
 import pytest
 import torch
 
+from specdec import tiny
 from specdec.runtime.loader import load_model
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.cluster import Cluster
 
-EOS_PROMPT = [9, 9, 1]  # the small-vocab target's first greedy token here is EOS (id 0)
+EOS_PROMPT = [9, 9, 1]  # this target's first greedy token here is EOS (id 0)
 STOP_PROMPT = [3, 7, 5]  # ... and here "w9"
+
+
+@pytest.fixture(scope="module")
+def word_target(tmp_path_factory):
+    """A 12-word target (id 0 is EOS) whose greedy choices the prompts above rely on."""
+    path = tiny.build_model(tmp_path_factory.mktemp("words") / "target", tiny.word_tokenizer(12), "llama",
+                            seed=21, init_std=0.1)
+    return str(path)
 
 
 def target_only(target_dir: str, history: list[int], new_tokens: int) -> list[int]:
@@ -26,9 +35,9 @@ def target_only(target_dir: str, history: list[int], new_tokens: int) -> list[in
     ("stop", dict(token_ids=STOP_PROMPT, max_new_tokens=8, stop=["w9"])),
     ("length", dict(token_ids=STOP_PROMPT, max_new_tokens=2)),
 ])
-def test_continue_with_empty_input_after_each_finish_reason(small_vocab_models, finish, first_request):
+def test_continue_with_empty_input_after_each_finish_reason(word_target, finish, first_request):
     # the draft is the target itself: every draft is accepted, so the finish lands inside a round
-    target = small_vocab_models["target"]
+    target = word_target
     with Cluster(target, target) as cluster:
         first = cluster.complete(num_speculative_tokens=4, **first_request)
         assert common_pb2.FinishReason.Name(first.finish_reason) == f"FINISH_REASON_{finish.upper()}"
@@ -43,8 +52,8 @@ def test_continue_with_empty_input_after_each_finish_reason(small_vocab_models, 
             assert more.stats.cache_misses == 0
 
 
-def test_continue_after_context_length_says_start_a_new_session(small_vocab_models):
-    target = small_vocab_models["target"]
+def test_continue_after_context_length_says_start_a_new_session(word_target):
+    target = word_target
     with Cluster(target, target) as cluster:
         first = cluster.complete(token_ids=[1, 2, 3] * 166, max_new_tokens=64, ignore_eos=True)
         assert first.finish_reason == common_pb2.FINISH_REASON_CONTEXT_LENGTH
