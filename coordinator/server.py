@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -15,7 +16,9 @@ from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from coordinator.clients import DraftClient, TargetClient
+from coordinator.discovery import DiscoveryError, from_config as discovery_from_config
 from coordinator.engine import Engine
+from coordinator.routing import ReplicaPool, Routes
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import open_store
 
@@ -56,17 +59,30 @@ class RunningCoordinator:
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.server.stop(grace)
         await self.engine.store.close()
-        await self.engine.draft.close()
-        await self.engine.target.close()
+        await self.engine.routes.close()
+
+
+def open_routes(config: CoordinatorConfig) -> Routes:
+    """The replica pools of both tiers, fed by the configured discovery (not started)."""
+    try:
+        discovery = discovery_from_config(config)
+    except DiscoveryError as exc:
+        raise StartupError(str(exc)) from exc
+    limits = (config.rpc_timeout_s, config.max_message_bytes)
+    return Routes(discovery,
+                  ReplicaPool("draft", lambda address: DraftClient(address, *limits), config.draft_retry_s),
+                  ReplicaPool("target", lambda address: TargetClient(address, *limits)))
 
 
 async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> RunningCoordinator:
-    draft = DraftClient(config.draft, config.rpc_timeout_s, config.max_message_bytes)
-    target = TargetClient(config.target, config.rpc_timeout_s, config.max_message_bytes)
+    """The first target replica to answer sets the reference; draft replicas must match it, target
+    replicas the first usable draft: a replica that differs is refused (logged), here and later."""
+    routes = open_routes(config)
+    routes.start()
+    deadline = time.monotonic() + startup_timeout_s
     try:
         try:
-            draft_info = await draft.info(startup_timeout_s)
-            target_info = await target.info(startup_timeout_s)
+            target_info = await routes.targets.first_info(startup_timeout_s)
         except SpecdecError as exc:
             raise StartupError(f"cannot reach the model services: {exc}") from exc
         tokenizer_source = config.tokenizer or target_info.model_id
@@ -74,24 +90,31 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
             tokenizer = load_tokenizer(tokenizer_source)
         except ModelLoadError as exc:
             raise StartupError(f"{exc}; set --tokenizer") from exc
-        check_compatible(draft_info, target_info, tokenizer_fingerprint(tokenizer))
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        try:
+            draft_info = await routes.drafts.accept(
+                lambda info: check_compatible(info, target_info, fingerprint), deadline - time.monotonic())
+            await routes.targets.accept(
+                lambda info: check_compatible(draft_info, info, fingerprint), deadline - time.monotonic())
+        except SpecdecError as exc:
+            raise StartupError(f"cannot reach the model services: {exc}") from exc
         try:
             store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
     except StartupError:
-        await draft.close()
-        await target.close()
+        await routes.close()
         raise
     try:
         await store.ping()
     except SpecdecError as exc:  # serve anyway: requests answer UNAVAILABLE until it is back
         log.warning("%s", exc)
-    engine = Engine(config, store, draft, target, tokenizer, draft_info, target_info)
+    engine = Engine(config, store, routes, tokenizer, draft_info, target_info)
     servicer = CoordinatorServicer(engine)
     server, port = await build_aio_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), [SERVICE_NAME],
         config.host, config.port, config.max_message_bytes,
     )
-    log.info("coordinator on %s:%d (draft %s, target %s)", config.host, port, config.draft, config.target)
+    log.info("coordinator on %s:%d (%s; %s)", config.host, port, routes.discovery.describe(),
+             routes.describe())
     return RunningCoordinator(server, port, engine)
