@@ -11,7 +11,9 @@ import pytest
 from coordinator.discovery import (
     DiscoveryError, KubernetesDiscovery, ServiceRef, from_config, parse_addresses, ready_addresses,
 )
-from specdec.config import CoordinatorConfig
+from specdec import tiny
+from specdec.config import CoordinatorConfig, TargetConfig
+from target_service import server as target_server
 from tests.cluster import Cluster, LoopThread
 from tests.fake_kubernetes import FakeKubernetes
 from tests.procs import Coordinator
@@ -97,10 +99,7 @@ def test_kubernetes_endpointslices_list_watch_relist(api, tmp_path):
         api.expire()
         api.put(NS, "draft-b", "draft-svc", [("10.0.0.3", True), ("10.0.0.4", True)])
         seen.wait("draft", {"10.0.0.1:50052", "10.0.0.3:50052", "10.0.0.4:50052"})
-        deadline = time.monotonic() + 20
-        while api.lists("draft-svc") < lists_before + 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert api.lists("draft-svc") >= lists_before + 2  # the failed re-list, then the good one
+        wait_until(lambda: api.lists("draft-svc") >= lists_before + 2)  # the failed re-list, then the good one
         # the watch goes on after the re-list
         api.delete(NS, "draft-a")
         seen.wait("draft", {"10.0.0.3:50052", "10.0.0.4:50052"})
@@ -116,12 +115,17 @@ def test_kubernetes_endpointslices_list_watch_relist(api, tmp_path):
 
 
 def test_coordinator_follows_kubernetes_endpoints(api, tmp_path, models, monkeypatch):
-    """A coordinator with --discovery kubernetes: uses the ready pods, loses the target tier when
-    its only pod turns not-ready (UNAVAILABLE, naming the tier), and serves again when it is back."""
+    """A coordinator with --discovery kubernetes: uses the ready pods, refuses a target pod that
+    joins with another tokenizer, loses the target tier when its only good pod turns not-ready
+    (UNAVAILABLE, naming the tier), and serves again when it is back."""
     paths = models["llama"]
     services = Cluster(paths["draft"], paths["target"])
     services._start_draft(0)
     services._start_target(0)
+    # a "pod" at another IP, same port, whose model has a 12-word vocabulary
+    foreign = tiny.build_model(tmp_path / "foreign", tiny.word_tokenizer(12), "llama", seed=3)
+    foreign_server, _, _ = target_server.start(TargetConfig(model=str(foreign), dtype="float64",
+                                                            host="127.0.0.2", port=services.target_port))
     api.put(NS, "d", "draft-svc", [("127.0.0.1", True)])
     api.put(NS, "t", "target-svc", [("127.0.0.1", True)])
     monkeypatch.setenv("KUBECONFIG", str(api.write_kubeconfig(tmp_path / "kubeconfig", namespace="default")))
@@ -132,17 +136,20 @@ def test_coordinator_follows_kubernetes_endpoints(api, tmp_path, models, monkeyp
                                   target_port=services.target_port, target_retry_s=0.5)
         first = coordinator.complete(prompt="def f(x):", max_new_tokens=8, ignore_eos=True)
         assert len(first.token_ids) == 8 and first.stats.draft_tokens > 0
-        api.put(NS, "t", "target-svc", [("127.0.0.1", False)])
-        deadline = time.monotonic() + 20
-        while coordinator.loop.run(_ready(coordinator, "target")) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        good, foreign_address = f"127.0.0.1:{services.target_port}", f"127.0.0.2:{services.target_port}"
+        api.put(NS, "t", "target-svc", [("127.0.0.1", True), ("127.0.0.2", True)])
+        wait_until(lambda: coordinator.replicas("target") == {good: "ready", foreign_address: "refused"})
+        assert "different tokenizers" in coordinator.describe_replicas("target")
+        sids = [coordinator.complete(prompt=f"{i}", max_new_tokens=2).session_id for i in range(8)]
+        assert {coordinator.record(s).target_address for s in sids} == {good}  # never the refused one
+        api.put(NS, "t", "target-svc", [("127.0.0.1", False), ("127.0.0.2", True)])
+        wait_until(lambda: coordinator.replicas("target") == {foreign_address: "refused"})
         with pytest.raises(grpc.RpcError) as info:
             coordinator.complete(prompt="def f(x):", max_new_tokens=8, ignore_eos=True)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no target replica is usable" in info.value.details()
-        api.put(NS, "t", "target-svc", [("127.0.0.1", True)])
-        while not coordinator.loop.run(_ready(coordinator, "target")) and time.monotonic() < deadline + 20:
-            time.sleep(0.05)
+        api.put(NS, "t", "target-svc", [("127.0.0.1", True), ("127.0.0.2", True)])
+        wait_until(lambda: coordinator.replicas("target").get(good) == "ready")
         again = coordinator.complete(prompt="def f(x):", max_new_tokens=8, ignore_eos=True)
         assert list(again.token_ids) == list(first.token_ids)
     finally:
@@ -150,8 +157,12 @@ def test_coordinator_follows_kubernetes_endpoints(api, tmp_path, models, monkeyp
             coordinator.stop()
         services.draft.stop(None).wait()
         services.target.stop(None).wait()
+        foreign_server.stop(None).wait()
         services.loop.close()
 
 
-async def _ready(coordinator, tier):
-    return coordinator.engine.routes.pools[tier].ready()
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)

@@ -77,11 +77,7 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
     coordinator = Coordinator(f"{d1.address},{d2.address},{foreign_draft}", f"{t1.address},{t2.address}",
                               session_store=redis_url, target_retry_s=30)
 
-    def states(tier: str) -> dict[str, str]:
-        return coordinator.loop.run(_states(coordinator, tier))
-
-    def record(sid: str):
-        return coordinator.loop.run(coordinator.engine.store.get(sid))
+    states, record = coordinator.replicas, coordinator.record
 
     def turn(sid: str | None, **fields):
         response = coordinator.complete(session_id=sid or "", max_new_tokens=NEW, num_speculative_tokens=GAMMA,
@@ -97,7 +93,7 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
         _wait(lambda: states("draft") == {d1.address: "ready", d2.address: "ready", foreign_draft: "refused"},
               "draft replicas")
         _wait(lambda: states("target") == {t1.address: "ready", t2.address: "ready"}, "target replicas")
-        refusal = coordinator.loop.run(_describe(coordinator, "draft"))
+        refusal = coordinator.describe_replicas("draft")
         assert "different tokenizers" in refusal and "12 tokens" in refusal
 
         sids = [turn(None, prompt=f"session {i}: def f(x):").session_id for i in range(SESSIONS)]
@@ -137,7 +133,7 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
 
         # t1 is back (same address): the sessions that hash to it go back to it
         t1.start()
-        _wait(lambda: states("target")[t1.address] == "ready", "t1 to answer health checks")
+        _wait(lambda: states("target").get(t1.address) == "ready", "t1 to answer health checks")
         for sid in sids:
             turn(sid, prompt=" again")
         back = {sid: record(sid) for sid in sids}
@@ -162,11 +158,3 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
               f"outputs identical to target-only: {len(sids) * 4} turns + 1 stream of 120 tokens")
     finally:
         coordinator.stop()
-
-
-async def _states(coordinator, tier):
-    return coordinator.engine.routes.pools[tier].states()
-
-
-async def _describe(coordinator, tier):
-    return coordinator.engine.routes.pools[tier].describe()
