@@ -100,14 +100,14 @@ class TargetClient(ServiceClient):
 
     async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                      drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams,
-                     seed: int) -> Verdict:
+                     seed: int, wait_for_ready: bool = True) -> Verdict:
         request = target_pb2.VerifyRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             draft_tokens=drafts,
             draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
             sampling=sampling_to_pb(params), seed=seed,
         )
-        response = await self.call(self.stub.Verify, request, session_id)
+        response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready)
         return Verdict(response.num_accepted, response.next_token, response.is_bonus,
                        list(response.accept_probs), response.cached_len)
 

@@ -19,9 +19,10 @@ from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
 from coordinator.chat import render_messages
-from coordinator.clients import DraftClient, TargetClient, release_quietly
+from coordinator.clients import release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
 from coordinator.lease_keeper import LeaseKeeper
+from coordinator.routing import Routes
 from coordinator.stats import GenerationStats
 from coordinator.store import Lease, SessionRecord, SessionStore
 
@@ -77,13 +78,11 @@ class _Run:
 
 
 class Engine:
-    def __init__(self, config: CoordinatorConfig, store: SessionStore, draft: DraftClient,
-                 target: TargetClient, tokenizer: Any, draft_info: ModelDescription,
-                 target_info: ModelDescription):
+    def __init__(self, config: CoordinatorConfig, store: SessionStore, routes: Routes, tokenizer: Any,
+                 draft_info: ModelDescription, target_info: ModelDescription):
         self.config = config
         self.store = store
-        self.draft = draft
-        self.target = target
+        self.routes = routes  # each session's draft and target replica
         self.tokenizer = tokenizer
         self.draft_info = draft_info
         self.target_info = target_info
@@ -95,7 +94,6 @@ class Engine:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.context_length - 1,
                                      self.context_length - 1)
         self.active = 0  # requests generating now
-        self.draft_down_until = 0.0  # monotonic time before which rounds skip the draft
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -201,8 +199,7 @@ class Engine:
 
     async def _abandon(self, record: SessionRecord, lease: Lease) -> None:
         """Free the KV caches a request leaves behind; its committed tokens stay in the store."""
-        await asyncio.gather(release_quietly(self.draft, record.session_id),
-                             release_quietly(self.target, record.session_id))
+        await self.routes.release(record)
         record.draft_held = record.target_held = 0
         try:
             await self.store.save(record, lease)
@@ -275,10 +272,7 @@ class Engine:
 
     def _forget_other_replicas(self, record: SessionRecord) -> None:
         """KV held by another replica (or none recorded) is worth nothing here."""
-        if record.draft_address != self.draft.address:
-            record.draft_address, record.draft_held = self.draft.address, 0
-        if record.target_address != self.target.address:
-            record.target_address, record.target_held = self.target.address, 0
+        self.routes.place(record)
 
     async def _round(self, run: _Run, gamma: int, params: SamplingParams,
                      rng: RequestRng) -> tuple[Verdict, list[int]]:
@@ -288,16 +282,16 @@ class Engine:
         base = len(record.token_ids)
         draft_seed, target_seed = rng.round_seeds()
         proposal = Proposal([], [])
-        if gamma > 0 and time.monotonic() < self.draft_down_until:
+        if gamma > 0 and not self.routes.usable("draft"):
             stats.fallback_rounds += 1
         elif gamma > 0:
             t0 = time.perf_counter()
             try:
                 proposal = await self._propose(run, gamma, params, draft_seed)
             except (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument) as exc:
-                self.draft_down_until = time.monotonic() + self.config.draft_retry_s
+                self.routes.failed("draft", record.draft_address)  # its sessions move
                 stats.fallback_rounds += 1
-                log.warning("draft failed (%s); target-only rounds for %.1fs", exc, self.config.draft_retry_s)
+                log.warning("draft failed (%s); target-only round", exc)
             stats.draft_seconds += time.perf_counter() - t0
         drafts = proposal.draft_tokens
         t0 = time.perf_counter()
@@ -311,43 +305,48 @@ class Engine:
 
     async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
         sid = run.record.session_id
-        return await self._with_resend(run, "draft", lambda prefix, new_tokens: self.draft.propose(
+        return await self._with_resend(run, "draft", lambda draft, prefix, new_tokens: draft.propose(
             sid, prefix, run.hashes.at(prefix), new_tokens, gamma, params, seed,
             timeout_s=self.config.draft_timeout_s))
 
     async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
                       seed: int) -> Verdict:
         sid = run.record.session_id
-        return await self._with_resend(run, "target", lambda prefix, new_tokens: self.target.verify(
-            sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed),
+        return await self._with_resend(run, "target", lambda target, prefix, new_tokens: target.verify(
+            sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed,
+            wait_for_ready=False),
             retry_s=self.config.target_retry_s)
 
     async def _with_resend(self, run: _Run, service: str, call, retry_s: float = 0.0):
-        """call(prefix_len, new_tokens) with what the service lacks. On a cache miss, again with
-        the full history from prefix_len 0; while the service is unreachable, again for up to
-        retry_s seconds (the same seeds: a retried round draws the same numbers)."""
+        """call(client, prefix_len, new_tokens) with the session's replica and what it lacks. On a
+        cache miss, again with the full history from prefix_len 0; while the service is unreachable,
+        again for up to retry_s seconds, on the next replica when there is one (the same seeds: a
+        retried round draws the same numbers)."""
         record = run.record
         held_attr = f"{service}_held"
         give_up_at: float | None = None
         backoff = 0.1
         while True:
-            # a service holding every committed token still needs one to run: resend the last
-            prefix = min(getattr(record, held_attr), len(record.token_ids) - 1)
-            new_tokens = record.token_ids[prefix:]
             try:
-                result = await call(prefix, new_tokens)
+                client = self.routes.pick(service, record)  # a session that moves holds nothing there
+                # a service holding every committed token still needs one to run: resend the last
+                prefix = min(getattr(record, held_attr), len(record.token_ids) - 1)
+                new_tokens = record.token_ids[prefix:]
+                result = await call(client, prefix, new_tokens)
             except CacheMiss as miss:
                 self._after_miss(run, miss, prefix, service)
                 setattr(record, held_attr, 0)
                 continue
             except Unavailable:
+                self.routes.failed(service, getattr(record, f"{service}_address"))
                 now = time.monotonic()
                 give_up_at = now + retry_s if give_up_at is None else give_up_at
                 if now >= give_up_at:
                     raise
                 run.stats.target_retries += service == "target"
-                await asyncio.sleep(min(backoff, give_up_at - now))
-                backoff = min(backoff * 2, 1.0)
+                if not self.routes.usable(service):  # else at once, on the next replica
+                    await asyncio.sleep(min(backoff, give_up_at - now))
+                    backoff = min(backoff * 2, 1.0)
                 continue
             if run.calls[service] == 0 or prefix == 0:  # what the service had to prefill
                 prefill_attr = f"{service}_prefill_tokens"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -18,7 +19,9 @@ from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from coordinator.clients import DraftClient, ServiceClient, TargetClient
+from coordinator.discovery import DiscoveryError, from_config as discovery_from_config
 from coordinator.engine import Engine
+from coordinator.routing import ReplicaPool, Routes
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import open_store
 
@@ -26,7 +29,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 STARTUP_TIMEOUT_S = 120.0
-STARTUP_POLL_S = 0.25
 
 
 class StartupError(RuntimeError):
@@ -109,21 +111,6 @@ def _tls_failure(client: ServiceClient, detail: str) -> tuple[bool, str]:
     return False, ""
 
 
-async def _startup_info(client: ServiceClient, timeout_s: float) -> ModelDescription:
-    """The service's model info, retried until it answers or timeout_s passes. A TLS failure
-    that waiting cannot fix (certificate, name) fails at once; the error says what to check."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        try:
-            return await client.info(max(deadline - loop.time(), 0.01), wait_for_ready=False)
-        except Unavailable as exc:
-            fatal, hint = _tls_failure(client, str(exc))
-            if fatal or loop.time() + STARTUP_POLL_S >= deadline:
-                raise StartupError(f"cannot reach the model services: {exc}{hint}") from exc
-        await asyncio.sleep(STARTUP_POLL_S)
-
-
 @dataclass
 class RunningCoordinator:
     server: grpc.aio.Server
@@ -133,44 +120,78 @@ class RunningCoordinator:
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.server.stop(grace)
         await self.engine.store.close()
-        await self.engine.draft.close()
-        await self.engine.target.close()
+        await self.engine.routes.close()
+
+
+def open_routes(config: CoordinatorConfig, upstream: grpc.ChannelCredentials | None) -> Routes:
+    """The replica pools of both tiers, fed by the configured discovery (not started)."""
+    try:
+        discovery = discovery_from_config(config)
+    except DiscoveryError as exc:
+        raise StartupError(str(exc)) from exc
+    options = (config.rpc_timeout_s, config.max_message_bytes, upstream, config.upstream_server_name)
+    return Routes(discovery,
+                  ReplicaPool("draft", lambda address: DraftClient(address, *options), config.draft_retry_s),
+                  ReplicaPool("target", lambda address: TargetClient(address, *options)))
+
+
+def _unreachable(exc: SpecdecError, routes: Routes) -> StartupError:
+    """Why the model services could not be reached, with each failing replica's last error and,
+    for TLS set-up failures, what to check."""
+    details = [f"{client.name}: {error}{_tls_failure(client, error)[1]}"
+               for pool in (routes.drafts, routes.targets) for client, error in pool.failures()]
+    return StartupError("; ".join([f"cannot reach the model services: {exc}", *details]))
+
+
+async def _first_infos(routes: Routes, timeout_s: float) -> tuple[ModelDescription, ModelDescription]:
+    """The model info of the first draft and the first target replica to answer."""
+    try:
+        return await asyncio.gather(routes.drafts.first_info(timeout_s), routes.targets.first_info(timeout_s))
+    except SpecdecError as exc:
+        raise _unreachable(exc, routes) from exc
 
 
 async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> RunningCoordinator:
+    """The first replicas to answer set the reference: the tokenizer fingerprints are compared over
+    the ids both their models can emit; draft replicas must match the target, target replicas the
+    first usable draft: a replica that differs is refused (logged), here and later."""
     security = Security.from_config(config)
-    upstream = (security.upstream, config.upstream_server_name)
-    draft = DraftClient(config.draft, config.rpc_timeout_s, config.max_message_bytes, *upstream)
-    target = TargetClient(config.target, config.rpc_timeout_s, config.max_message_bytes, *upstream)
+    routes = open_routes(config, security.upstream)
+    routes.start()
+    deadline = time.monotonic() + startup_timeout_s
     try:
-        try:
-            draft_info = await _startup_info(draft, startup_timeout_s)
-            target_info = await _startup_info(target, startup_timeout_s)
-            shared = shared_vocab_size(draft_info, target_info)
-            # the fingerprints over the ids both models can emit
-            draft_info = await draft.info(startup_timeout_s, fingerprint_vocab_size=shared)
-            target_info = await target.info(startup_timeout_s, fingerprint_vocab_size=shared)
-        except SpecdecError as exc:
-            raise StartupError(f"cannot reach the model services: {exc}") from exc
+        draft_info, target_info = await _first_infos(routes, startup_timeout_s)
+        shared = shared_vocab_size(draft_info, target_info)
+        for pool in (routes.drafts, routes.targets):  # the fingerprints over the ids both can emit
+            pool.fingerprint_below(shared)
+        draft_info, target_info = await _first_infos(routes, max(deadline - time.monotonic(), 1.0))
         tokenizer_source = config.tokenizer or target_info.model_id
         try:
             tokenizer = load_tokenizer(tokenizer_source)
         except ModelLoadError as exc:
             raise StartupError(f"{exc}; set --tokenizer") from exc
-        check_compatible(draft_info, target_info, tokenizer_fingerprint(tokenizer, shared))
+        fingerprint = tokenizer_fingerprint(tokenizer, shared)
+        try:
+            draft_info = await routes.drafts.accept(
+                lambda info: check_compatible(info, target_info, fingerprint), deadline - time.monotonic())
+            await routes.targets.accept(
+                lambda info: check_compatible(draft_info, info, fingerprint), deadline - time.monotonic())
+        except StartupError:
+            raise
+        except SpecdecError as exc:
+            raise _unreachable(exc, routes) from exc
         try:
             store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
     except StartupError:
-        await draft.close()
-        await target.close()
+        await routes.close()
         raise
     try:
         await store.ping()
     except SpecdecError as exc:  # serve anyway: requests answer UNAVAILABLE until it is back
         log.warning("%s", exc)
-    engine = Engine(config, store, draft, target, tokenizer, draft_info, target_info)
+    engine = Engine(config, store, routes, tokenizer, draft_info, target_info)
     servicer = CoordinatorServicer(engine)
     if security.api_key and not security.server:
         log.warning("--api-key-file without --tls-cert-file: clients send the API key in clear text")
@@ -178,6 +199,6 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), [SERVICE_NAME],
         config.host, config.port, config.max_message_bytes, security.server, security.interceptors(),
     )
-    log.info("coordinator on %s:%d (draft %s, target %s; %s)", config.host, port, config.draft, config.target,
-             security.describe())
+    log.info("coordinator on %s:%d (%s; %s; %s)", config.host, port, routes.discovery.describe(),
+             routes.describe(), security.describe())
     return RunningCoordinator(server, port, engine)

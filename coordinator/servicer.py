@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from specdec.errors import NotFound
 from specdec.rpc.convert import sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.clients import release_quietly
 from coordinator.engine import (
     FINISH_CONTEXT, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Engine, GenerationRequest,
 )
@@ -78,7 +78,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     async def DeleteSession(self, request, context):
+        try:
+            record = await self.engine.store.get(request.session_id)  # where its caches are
+        except NotFound:
+            record = None
         deleted = await self.engine.store.delete(request.session_id)
-        await release_quietly(self.engine.draft, request.session_id)
-        await release_quietly(self.engine.target, request.session_id)
+        if record is not None:
+            await self.engine.routes.release(record)
         return coordinator_pb2.DeleteSessionResponse(deleted=deleted)

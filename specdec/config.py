@@ -69,8 +69,16 @@ class TargetConfig(ModelServiceConfig):
 class CoordinatorConfig(ServerTlsConfig):
     """Config of the coordinator."""
 
-    draft: str = opt("127.0.0.1:50052", "draft service address host:port")
-    target: str = opt("127.0.0.1:50053", "target service address host:port")
+    draft: str = opt("127.0.0.1:50052", "draft replicas: host:port, comma-separated (static discovery)")
+    target: str = opt("127.0.0.1:50053", "target replicas: host:port, comma-separated (static discovery)")
+    discovery: str = opt("static", "how replicas are found: the --draft/--target lists, or the "
+                         "EndpointSlices of --draft-service/--target-service", ("static", "kubernetes"))
+    draft_service: str = opt("", "Kubernetes Service of the draft replicas (--discovery kubernetes)")
+    target_service: str = opt("", "Kubernetes Service of the target replicas (--discovery kubernetes)")
+    namespace: str = opt("", "namespace of those Services (default: the coordinator's own, else the "
+                         "kubeconfig context's)")
+    draft_port: int = opt(50052, "gRPC port of the draft pods (--discovery kubernetes)")
+    target_port: int = opt(50053, "gRPC port of the target pods (--discovery kubernetes)")
     host: str = opt("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = opt(50051, "port to listen on")
     metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)")
@@ -83,7 +91,8 @@ class CoordinatorConfig(ServerTlsConfig):
     max_concurrent_generations: int = opt(64, "requests generating at once; more get RESOURCE_EXHAUSTED")
     draft_timeout_s: float = opt(10.0, "budget of one Propose call; slower or failing drafts make the "
                                  "round target-only")
-    draft_retry_s: float = opt(5.0, "after a draft failure, rounds are target-only for this long")
+    draft_retry_s: float = opt(5.0, "a failing draft replica is skipped for at least this long (rounds "
+                               "are target-only while no draft replica is usable)")
     target_retry_s: float = opt(60.0, "how long to keep retrying an unreachable target before "
                                 "failing the request with UNAVAILABLE")
     default_max_new_tokens: int = opt(128, "max_new_tokens when a request leaves it unset")

@@ -86,6 +86,21 @@ class Coordinator:
     def stream(self, **fields: Any):
         return self.stub.Generate(generate_request(**fields), timeout=300)
 
+    def replicas(self, tier: str) -> dict[str, str]:
+        """address -> state (probing, ready, failed, refused) of the tier's replica pool."""
+        async def states():
+            return self.engine.routes.pools[tier].states()
+        return self.loop.run(states())
+
+    def describe_replicas(self, tier: str) -> str:
+        async def describe():
+            return self.engine.routes.pools[tier].describe()
+        return self.loop.run(describe())
+
+    def record(self, session_id: str):
+        """The stored session record (tokens, and the replicas that hold it)."""
+        return self.loop.run(self.engine.store.get(session_id))
+
     def stop(self) -> None:
         self.channel.close()
         self.loop.run(self.running.stop(None))
