@@ -30,17 +30,6 @@ FULL = f"{RELEASE}-specdec"
 K8S_VERSION = "1.37.0"
 TIERS = ("coordinator", "draft", "target")
 
-# Flags of the shared flag contract that other work adds to the CLI (metrics, discovery, TLS,
-# API key). While the CLI lacks one of them, the tests that parse the chart's and compose's
-# commands with the real CLI parser are expected failures (xfail) naming the missing flags;
-# any other unknown flag fails them.
-CONTRACT_FLAGS = {
-    "--metrics-port", "--discovery", "--draft-service", "--target-service", "--namespace",
-    "--draft-port", "--target-port", "--tls-cert-file", "--tls-key-file", "--tls-client-ca-file",
-    "--upstream-ca-file", "--upstream-cert-file", "--upstream-key-file", "--upstream-server-name",
-    "--api-key-file",
-}
-
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -523,14 +512,10 @@ def unknown_flags(argv: list[str]) -> list[str]:
 
 
 def check_against_cli(commands: dict[str, list[str]]) -> None:
-    """Fail on unknown flags outside the contract; xfail while contract flags are missing."""
-    pending: set[str] = set()
+    """Every flag the chart or compose passes is one the CLI knows."""
     for where, argv in commands.items():
-        unknown = set(unknown_flags(argv))
-        assert unknown <= CONTRACT_FLAGS, f"{where}: the CLI has no {sorted(unknown - CONTRACT_FLAGS)}"
-        pending |= unknown
-    if pending:
-        pytest.xfail(f"the CLI does not have these contract flags yet: {sorted(pending)}")
+        unknown = sorted(set(unknown_flags(argv)))
+        assert not unknown, f"{where}: the CLI has no {unknown}"
 
 
 @pytest.mark.parametrize("name", ["defaults", "tls-apikey", "gpu"])
