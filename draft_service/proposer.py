@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import torch
 
 from specdec.errors import InvalidArgument
 from specdec.rng import make_generator
-from specdec.runtime.runner import ModelRunner
+from specdec.runtime.kv_cache import SessionCache
+from specdec.runtime.runner import ModelRunner, Row
 from specdec.sampling import target_probs, truncate_top_k
 from specdec.types import Proposal, SamplingParams, SparseDist
 
@@ -27,6 +28,18 @@ class ProposeCall:
     seed: int
 
 
+@dataclass
+class _Drafting:
+    """A call while it drafts in a batch."""
+
+    index: int
+    call: ProposeCall
+    entry: SessionCache
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    dists: list[SparseDist] = field(default_factory=list)
+
+
 class Proposer(Protocol):
     """What the draft service serves. Rollback is implicit: a call's prefix_len says how
     much of the previous proposal the target accepted (prefix_len < cached length)."""
@@ -35,6 +48,8 @@ class Proposer(Protocol):
              params: SamplingParams, seed: int) -> ProposeCall: ...
 
     def propose(self, call: ProposeCall) -> Proposal: ...
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal | Exception]: ...
 
     def release(self, session_id: str) -> bool: ...
 
@@ -68,22 +83,53 @@ class ModelProposer:
         return token, SparseDist(tuple(ids.tolist()), tuple(probs.tolist()))
 
     def propose(self, call: ProposeCall) -> Proposal:
-        """Run on the model worker: roll back, append the new tokens, draw γ tokens."""
+        """One call alone (a batch of one)."""
+        result = self.propose_batch([call])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal | Exception]:
+        """Run on the model worker: roll each session back and append its new tokens in ONE
+        forward, then draw step by step, one forward per step for every call still drafting
+        (a call leaves when it has its γ tokens). Each call draws with its own generator; calls
+        are of distinct sessions; a call's failure is its own result."""
         runner = self.runner
-        entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens)
-        generator = make_generator(call.seed, runner.device)
-        logits = runner.forward(call.session_id, entry, feed, keep_logits=1)  # [1, vocab]
-        tokens: list[int] = []
-        dists: list[SparseDist] = []
-        for i in range(call.gamma):
-            token, dist = self._draw(logits, call.params, generator)
-            tokens.append(token)
-            dists.append(dist)
-            if i < call.gamma - 1:
-                logits = runner.forward(call.session_id, entry, [token], keep_logits=1)
-        cached = len(entry)
-        runner.finish(call.session_id)
-        return Proposal(tokens, dists, cached)
+        results: list[Proposal | Exception | None] = [None] * len(calls)
+        live: list[_Drafting] = []
+        rows: list[Row] = []
+        for index, call in enumerate(calls):
+            try:
+                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens)
+            except Exception as exc:  # noqa: BLE001 - this call's error, not the batch's
+                results[index] = exc
+                continue
+            live.append(_Drafting(index, call, entry, make_generator(call.seed, runner.device)))
+            rows.append(Row(call.session_id, entry, feed, 1))
+        while live:
+            try:
+                logits = runner.forward_batch(rows)  # per row [1, vocab]
+            except Exception as exc:  # noqa: BLE001 - every call in the forward failed with it
+                for drafting in live:
+                    results[drafting.index] = exc
+                break
+            still: list[_Drafting] = []
+            for drafting, row_logits in zip(live, logits):
+                try:
+                    token, dist = self._draw(row_logits, drafting.call.params, drafting.generator)
+                except Exception as exc:  # noqa: BLE001
+                    results[drafting.index] = exc
+                    continue
+                drafting.tokens.append(token)
+                drafting.dists.append(dist)
+                if len(drafting.tokens) < drafting.call.gamma:
+                    still.append(drafting)
+                else:
+                    results[drafting.index] = Proposal(drafting.tokens, drafting.dists, len(drafting.entry))
+            live = still
+            rows = [Row(d.call.session_id, d.entry, d.tokens[-1:], 1) for d in live]
+        runner.finish([call.session_id for call in calls])
+        return results
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)
