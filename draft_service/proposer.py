@@ -11,7 +11,7 @@ from specdec.errors import InvalidArgument
 from specdec.rng import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.runner import ModelRunner, Row
-from specdec.sampling import target_probs, truncate_top_k
+from specdec.sampling import proposal_top_k
 from specdec.types import Proposal, SamplingParams, SparseDist
 
 
@@ -38,6 +38,10 @@ class _Drafting:
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     dists: list[SparseDist] = field(default_factory=list)
+
+    def add(self, token: int, dist: SparseDist) -> None:
+        self.tokens.append(token)
+        self.dists.append(dist)
 
 
 class Proposer(Protocol):
@@ -70,17 +74,25 @@ class ModelProposer:
         self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1)
         return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed)
 
-    def _draw(self, logits: torch.Tensor, params: SamplingParams,
-              generator: torch.Generator) -> tuple[int, SparseDist]:
-        """logits [1, vocab] -> (token, the sparse q it was drawn from)."""
-        if params.greedy:
-            token = int(logits[0].argmax())
-            return token, SparseDist((token,), (1.0,))
-        ids, probs = truncate_top_k(target_probs(logits, params), self.proposal_top_k)  # [1, K]
-        keep = probs[0] > 0
-        ids, probs = ids[0][keep], probs[0][keep]  # [K']
-        token = int(ids[torch.multinomial(probs, 1, generator=generator)].item())
-        return token, SparseDist(tuple(ids.tolist()), tuple(probs.tolist()))
+    def _draw_all(self, live: Sequence[_Drafting], logits: Sequence[torch.Tensor]) -> None:
+        """One drafted token for every call: per call its token and the sparse q it was drawn
+        from, appended to it. logits: per call [1, vocab]. Calls with the same sampling warp are
+        warped together (top-k first: no sort of the vocabulary); each draws with its own generator."""
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, drafting in enumerate(live):
+            groups.setdefault(drafting.call.params, []).append(i)
+        for params, members in groups.items():
+            stacked = torch.cat([logits[i] for i in members])  # [g, vocab]
+            if params.greedy:
+                for i, token in zip(members, stacked.argmax(dim=-1).tolist()):
+                    live[i].add(token, SparseDist((token,), (1.0,)))
+                continue
+            ids, probs = proposal_top_k(stacked, params, self.proposal_top_k)  # [g, K]
+            for row, i in enumerate(members):
+                keep = probs[row] > 0
+                row_ids, row_probs = ids[row][keep], probs[row][keep]  # [K']
+                token = int(row_ids[torch.multinomial(row_probs, 1, generator=live[i].generator)].item())
+                live[i].add(token, SparseDist(tuple(row_ids.tolist()), tuple(row_probs.tolist())))
 
     def propose(self, call: ProposeCall) -> Proposal:
         """One call alone (a batch of one)."""
@@ -113,15 +125,14 @@ class ModelProposer:
                 for drafting in live:
                     results[drafting.index] = exc
                 break
-            still: list[_Drafting] = []
-            for drafting, row_logits in zip(live, logits):
-                try:
-                    token, dist = self._draw(row_logits, drafting.call.params, drafting.generator)
-                except Exception as exc:  # noqa: BLE001
+            try:
+                self._draw_all(live, logits)
+            except Exception as exc:  # noqa: BLE001 - a bug: the calls drafting now fail with it
+                for drafting in live:
                     results[drafting.index] = exc
-                    continue
-                drafting.tokens.append(token)
-                drafting.dists.append(dist)
+                break
+            still: list[_Drafting] = []
+            for drafting in live:
                 if len(drafting.tokens) < drafting.call.gamma:
                     still.append(drafting)
                 else:

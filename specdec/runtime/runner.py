@@ -215,7 +215,9 @@ class ModelRunner:
         out = self.model(
             input_ids=batch_cache.input_ids([row.tokens for row in rows], n, self.device),  # [B, n]
             position_ids=batch_cache.position_ids(pasts, lengths, n, self.device),  # [B, n]
-            attention_mask=batch_cache.attention_mask(pasts, lengths, n, self.loaded.dtype, self.device),
+            # one row: the model's own causal mask over the buffer view (often none at all)
+            attention_mask=None if kv is None else batch_cache.attention_mask(pasts, lengths, n, self.loaded.dtype,
+                                                                              self.device),
             cache=cache, use_cache=True, logits_to_keep=keep)
         if kv is not None:
             batch_cache.scatter(kv, buffers, pasts, lengths)

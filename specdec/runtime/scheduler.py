@@ -1,8 +1,9 @@
 """Batching: the final steps of concurrent calls run as ONE task on the model worker.
 
 A call's final step (a Verify's forward + acceptance, a Propose's drafting) waits here until a
-batch is ready — `max_batch_size` calls, `max_batch_tokens` padded tokens, every session seen
-lately already waiting, or the oldest has waited `batch_wait_s` — and a drain task on the worker
+batch is ready — `max_batch_size` calls, `max_batch_tokens` padded tokens, every session of the
+last two batches already waiting (nobody else is expected), or the oldest has waited
+`batch_wait_s` — and a drain task on the worker
 then takes what is waiting (at most one call per session, in arrival order) and runs it through
 `run_batch`, which answers each call on its own: one row's failure is that call's error only.
 
@@ -27,7 +28,7 @@ from specdec.runtime.worker import DeadlinePassed, ModelWorker
 C = TypeVar("C")
 R = TypeVar("R")
 
-RECENT_S = 1.0  # a session that ran within this long is expected back: worth waiting for
+RECENT_BATCHES = 2  # a session in one of the last this many batches is expected back: worth waiting for
 
 
 @dataclass
@@ -52,7 +53,8 @@ class BatchScheduler(Generic[C, R]):
         self.batch_wait_s = max(0.0, batch_wait_s)
         self.batch_sizes: Counter[int] = Counter()  # batches run, by number of calls
         self._waiting: deque[_Waiting] = deque()
-        self._recent: dict[str, float] = {}  # session -> when it last ran
+        self._recent: dict[str, int] = {}  # session -> number of the last batch it ran in
+        self._batches = 0
         self._lock = threading.Lock()
         self._drain_queued = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,7 +167,7 @@ class BatchScheduler(Generic[C, R]):
                 continue
             batch.append(item)
         if batch:
-            self._run(batch, now)
+            self._run(batch)
         with self._lock:
             delay = self._delay_locked(time.monotonic())
         if delay <= 0:
@@ -173,12 +175,14 @@ class BatchScheduler(Generic[C, R]):
         elif delay != float("inf") and self._loop is not None:
             self._loop.call_soon_threadsafe(self._arm_timer, delay)
 
-    def _run(self, batch: list[_Waiting], now: float) -> None:
+    def _run(self, batch: list[_Waiting]) -> None:
         self.batch_sizes[len(batch)] += 1
         with self._lock:
+            self._batches += 1
             for item in batch:
-                self._recent[item.session_id] = now
-            for sid in [s for s, t in self._recent.items() if now - t > RECENT_S]:
+                self._recent[item.session_id] = self._batches
+            oldest = self._batches - RECENT_BATCHES
+            for sid in [s for s, n in self._recent.items() if n <= oldest]:
                 del self._recent[sid]
         try:
             results = self.run_batch([item.call for item in batch])
