@@ -338,3 +338,19 @@ def test_sliding_window_models_fall_back_to_the_dynamic_cache(tmp_path, caplog):
     logits = runner.forward_batch(rows)  # still one call for both rows, run row by row
     assert [tuple(x.shape) for x in logits] == [(2, 384), (2, 384)]
     assert len(runner.caches.get("b")) == 12
+
+
+def test_start_up_check_catches_a_model_that_batches_wrongly(runners):
+    buffered, _ = runners
+    assert buffered._batches_agree()
+    forward = buffered.model.model.forward
+
+    def positions_ignored(*args, **kwargs):  # as a model computing positions from the cache would
+        kwargs.pop("position_ids", None)
+        return forward(*args, **kwargs)
+
+    buffered.model.model.forward = positions_ignored
+    try:
+        assert not buffered._batches_agree()
+    finally:
+        buffered.model.model.forward = forward

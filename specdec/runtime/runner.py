@@ -65,11 +65,30 @@ class ModelRunner:
             max_speculative_tokens=max_speculative_tokens,
         )
         self.kv_spec, why = batch_cache.buffered_spec(self.model, self.device, loaded.dtype)
+        if self.kv_spec is not None and not self._batches_agree():
+            self.kv_spec, why = None, "a batched forward of two sessions disagreed with running them alone"
         if self.kv_spec is None:
             log.warning("%s: per-session DynamicCache, no batched forwards (%s)", loaded.model_id, why)
         else:
             log.info("%s: K/V in per-session buffers, %d bytes per token; batched forwards",
                      loaded.model_id, self.kv_spec.bytes_per_token)
+
+    def _batches_agree(self) -> bool:
+        """Start-up check: two sessions of different lengths in one batched forward get the
+        logits they get alone (a model that ignored position_ids or the 4-D mask would not)."""
+        generator = torch.Generator().manual_seed(0)
+        high = min(self.embedding_size, self.vocab_size)
+        tokens = [torch.randint(1, high, (n,), generator=generator).tolist() for n in (9, 4)]
+        alone, together = [], [self.new_entry(), self.new_entry()]
+        for seq, entry in zip(tokens, together):
+            self.forward("", entry, seq[:-2], 1)
+            mine = self.new_entry()
+            self.forward("", mine, seq[:-2], 1)
+            alone.append(self.forward("", mine, seq[-2:], 2))
+        batched = self.forward_batch([Row("", e, seq[-2:], 2) for seq, e in zip(tokens, together)])
+        self.tokens_run = 0
+        return all(torch.allclose(b, a, rtol=0.02, atol=0.02 * float(a.abs().max()))
+                   for a, b in zip(alone, batched))
 
     def new_entry(self) -> SessionCache:
         """An empty session cache of the kind this model uses."""
