@@ -86,27 +86,23 @@ def forward_costs(target: str, dtype: str, history: int, repeats: int) -> list[d
         runner.forward(f"c{b}", entry, [rng.randrange(1, 200) for _ in range(history)], 1)
         entries.append(entry)
 
-    def step(batch: int, tokens: int) -> float:
-        rows = [Row(f"c{b}", entries[b], [rng.randrange(1, 200) for _ in range(tokens)], tokens)
-                for b in range(batch)]
-        times = []
-        for _ in range(repeats):
+    configs = [(batch, tokens) for tokens in (1, 5) for batch in LEVELS]
+    rows = {(batch, tokens): [Row(f"c{b}", entries[b], [rng.randrange(1, 200) for _ in range(tokens)], tokens)
+                              for b in range(batch)] for batch, tokens in configs}
+    best = {config: float("inf") for config in configs}
+    for i in range(repeats + 2):  # interleaved, so a busy moment on a shared machine hits all alike
+        for config in configs:
             t0 = time.perf_counter()
-            runner.forward_batch(rows)
-            times.append(time.perf_counter() - t0)
-            for row in rows:
+            runner.forward_batch(rows[config])
+            seconds = time.perf_counter() - t0
+            for row in rows[config]:
                 row.entry.crop(history)
-        return min(times)  # the machine may be shared: the fastest run is the cost
-
-    for batch in (1, max(LEVELS)):  # warm-up
-        step(batch, 1)
-    base = step(1, 1)
-    out = []
-    for tokens in (1, 5):
-        for batch in LEVELS:
-            cost = step(batch, tokens)
-            out.append({"batch": batch, "tokens_per_row": tokens, "seconds": cost, "relative": cost / base,
-                        "ceiling_speedup": batch / (cost / base)})
+            if i >= 2:  # the first two rounds warm up
+                best[config] = min(best[config], seconds)  # the fastest run is the cost
+    base = best[(1, 1)]
+    out = [{"batch": batch, "tokens_per_row": tokens, "seconds": best[(batch, tokens)],
+            "relative": best[(batch, tokens)] / base, "ceiling_speedup": batch * base / best[(batch, tokens)]}
+           for batch, tokens in configs]
     del runner
     return out
 
@@ -115,6 +111,8 @@ def forward_costs(target: str, dtype: str, history: int, repeats: int) -> list[d
 
 def start_services(args, draft: str, target: str) -> subprocess.Popen:
     env = dict(os.environ)
+    if args.torch_threads:
+        env["OMP_NUM_THREADS"] = str(args.torch_threads)
     for service in ("DRAFT", "TARGET"):
         env[f"SPECDEC_{service}_MAX_BATCH_SIZE"] = str(args.max_batch_size)
         env[f"SPECDEC_{service}_BATCH_WAIT_MS"] = str(args.batch_wait_ms)
@@ -145,8 +143,25 @@ def session(stub, prompt: str, gamma: int, max_new: int, out: list, lock: thread
                     "acceptance_rate": stats.acceptance_rate})
 
 
-def level(address: str, sessions: int, gamma: int, max_new: int) -> dict:
+def cpu_seconds(proc: subprocess.Popen) -> dict[str, float]:
+    """CPU seconds so far of each service process (by its `serve` role) and of this client."""
+    import psutil
+
+    out = {"client": sum(psutil.Process().cpu_times()[:2])}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            cmd = child.cmdline()
+            role = cmd[cmd.index("serve") + 1] if "serve" in cmd else None
+            if role:
+                out[role] = sum(child.cpu_times()[:2])
+        except (psutil.Error, IndexError):
+            pass
+    return out
+
+
+def level(address: str, sessions: int, gamma: int, max_new: int, proc: subprocess.Popen) -> dict:
     results: list[dict] = []
+    cpu_before = cpu_seconds(proc)
     lock = threading.Lock()
     channels = [grpc.insecure_channel(address) for _ in range(min(sessions, 8))]
     stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in channels]
@@ -158,6 +173,7 @@ def level(address: str, sessions: int, gamma: int, max_new: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu_after = cpu_seconds(proc)
     for c in channels:
         c.close()
     gaps = sorted(g for r in results for g in r["gaps"])
@@ -166,7 +182,8 @@ def level(address: str, sessions: int, gamma: int, max_new: int) -> dict:
             "tokens_per_second": tokens / wall,
             "p50_token_ms": 1000 * gaps[len(gaps) // 2], "p99_token_ms": 1000 * gaps[int(len(gaps) * 0.99)],
             "acceptance_rate": statistics.mean(r["acceptance_rate"] for r in results),
-            "tokens_per_round": tokens / max(1, sum(r["rounds"] for r in results))}
+            "tokens_per_round": tokens / max(1, sum(r["rounds"] for r in results)),
+            "cpu_ms_per_token": {k: 1000 * (cpu_after[k] - cpu_before.get(k, 0.0)) / tokens for k in cpu_after}}
 
 
 def main() -> int:
@@ -181,12 +198,16 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=32, help="the services' --max-batch-size")
     parser.add_argument("--batch-wait-ms", type=float, default=2.0, help="the services' --batch-wait-ms")
     parser.add_argument("--history", type=int, default=128, help="tokens each session holds in the ceiling test")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tiny-width", type=int, default=256)
     parser.add_argument("--tiny-layers", type=int, default=4)
     parser.add_argument("--tiny-draft", choices=("unrelated", "self"), default="unrelated",
                         help="tiny pair only: an unrelated random draft (acceptance near 0) or the target "
                              "itself (every draft accepted)")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="intra-op threads of each model service and of the ceiling test (OMP_NUM_THREADS; "
+                             "0 = torch's default). On a small shared machine 1 avoids threads spinning against "
+                             "each other")
     parser.add_argument("--skip-ceiling", action="store_true")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -194,9 +215,14 @@ def main() -> int:
     levels = [int(x) for x in args.levels.split(",")]
     gammas = [int(g) for g in args.gammas.split(",")]
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     ceiling = [] if args.skip_ceiling else forward_costs(target, args.dtype, args.history, args.repeats)
     if ceiling:
-        print(f"\none batched forward vs one 1-token step ({what}, {args.dtype}, {args.history}-token histories)")
+        print(f"\none batched forward vs one 1-token step ({what}, {args.dtype}, {args.history}-token histories, "
+              f"torch threads {args.torch_threads or 'default'})")
         print(f"{'rows':>5} {'tok/row':>8} {'ms':>8} {'x 1-token step':>15} {'ceiling speed-up':>17}")
         for row in ceiling:
             print(f"{row['batch']:>5} {row['tokens_per_row']:>8} {1000 * row['seconds']:>8.2f} "
@@ -206,17 +232,18 @@ def main() -> int:
     rows: list[dict] = []
     try:
         address = f"127.0.0.1:{args.port}"
-        level(address, 2, gammas[0], 8)  # warm-up
+        level(address, 2, gammas[0], 8, proc)  # warm-up
         for gamma in gammas:
             for sessions in levels:
-                rows.append(level(address, sessions, gamma, args.max_new_tokens))
+                rows.append(level(address, sessions, gamma, args.max_new_tokens, proc))
                 print(f"  γ={gamma} sessions={sessions}: {rows[-1]['tokens_per_second']:.1f} tok/s", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
 
+    threads = args.torch_threads or "default"
     print(f"\nconcurrent sessions ({what}, {args.dtype}, {args.max_new_tokens} new tokens each, "
-          f"max batch {args.max_batch_size}, wait {args.batch_wait_ms} ms)")
+          f"max batch {args.max_batch_size}, wait {args.batch_wait_ms} ms, torch threads {threads})")
     print(f"{'γ':>3} {'sessions':>9} {'tok/s':>9} {'x 1 session':>12} {'p50 ms/tok':>11} {'p99 ms/tok':>11} "
           f"{'accept':>7} {'tok/round':>10}")
     for row in rows:
@@ -225,11 +252,18 @@ def main() -> int:
         print(f"{row['gamma']:>3} {row['sessions']:>9} {row['tokens_per_second']:>9.1f} {row['scaling']:>12.2f} "
               f"{row['p50_token_ms']:>11.2f} {row['p99_token_ms']:>11.2f} {row['acceptance_rate']:>7.3f} "
               f"{row['tokens_per_round']:>10.2f}")
+    roles = ("coordinator", "draft", "target", "client")
+    print("\nCPU ms per generated token, by process (where the time goes)")
+    print(f"{'γ':>3} {'sessions':>9} " + " ".join(f"{r:>12}" for r in roles))
+    for row in rows:
+        cpu = row["cpu_ms_per_token"]
+        print(f"{row['gamma']:>3} {row['sessions']:>9} " + " ".join(f"{cpu.get(r, float('nan')):>12.2f}" for r in roles))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"models": what, "draft": draft, "target": target, "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "max_batch_size": args.max_batch_size,
-              "batch_wait_ms": args.batch_wait_ms, "levels": rows, "batched_forward": ceiling}
+              "batch_wait_ms": args.batch_wait_ms, "torch_threads": args.torch_threads, "levels": rows,
+              "batched_forward": ceiling}
     (out / "concurrency.json").write_text(json.dumps(result, indent=2))
     plot(out / "concurrency.png", rows, ceiling, gammas, what)
     print(f"wrote {out / 'concurrency.json'}")

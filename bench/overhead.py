@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gammas", default="4,0")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="intra-op threads of the model services (OMP_NUM_THREADS; 0 = torch's default)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--serve", choices=("draft", "target"), help=argparse.SUPPRESS)  # child process
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -120,9 +123,10 @@ def main() -> int:
     models = dict(zip(("draft", "target"), tiny.build_pair(root)))
     print(f"tiny random pair under {root} ({args.dtype})", flush=True)
     ports = {name: free_port() for name in ("draft", "target", "coordinator")}
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.torch_threads)} if args.torch_threads else {}))
     children = {name: subprocess.Popen(
         [sys.executable, __file__, "--serve", name, "--model", str(models[name]), "--dtype", args.dtype,
-         "--port", str(ports[name]), "--spans", str(root / f"{name}.json")], stdin=subprocess.PIPE)
+         "--port", str(ports[name]), "--spans", str(root / f"{name}.json")], stdin=subprocess.PIPE, env=env)
         for name in ("draft", "target")}
     for name in ("draft", "target"):
         wait_healthy(f"127.0.0.1:{ports[name]}", 300, list(children.values()))
@@ -156,7 +160,8 @@ def main() -> int:
     for gamma, per_request in stamps.items():
         results[f"gamma_{gamma}"] = rounds(gamma, per_request, work, forwards)
 
-    print(f"\nper-round orchestration on loopback (tiny pair, {args.dtype}, one process per service); "
+    print(f"\nper-round orchestration on loopback (tiny pair, {args.dtype}, one process per service, torch threads "
+          f"{args.torch_threads or 'default'}); "
           f"two bare unary gRPC calls: p50 {bare['p50']:.3f} ms, p99 {bare['p99']:.3f} ms")
     print(f"{'γ':>3} {'rounds':>7} {'wall p50':>9} {'model p50':>10} {'orch p50':>9} {'orch p99':>9} "
           f"{'orch-fwd p50':>13}   (ms per round)")
@@ -168,7 +173,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
-        {"dtype": args.dtype, **{k: {kk: vv for kk, vv in v.items() if kk != "samples"} if isinstance(v, dict)
+        {"dtype": args.dtype, "torch_threads": args.torch_threads, **{k: {kk: vv for kk, vv in v.items() if kk != "samples"} if isinstance(v, dict)
                                  else v for k, v in results.items()}}, indent=2))
     plot(out / "overhead.png", results)
     print(f"wrote {out / 'overhead.json'}")

@@ -3,9 +3,9 @@
 A call's final step (a Verify's forward + acceptance, a Propose's drafting) waits here until a
 batch is ready — `max_batch_size` calls, `max_batch_tokens` padded tokens, every session of the
 last two batches already waiting (nobody else is expected), or the oldest has waited
-`batch_wait_s` — and a drain task on the worker
-then takes what is waiting (at most one call per session, in arrival order) and runs it through
-`run_batch`, which answers each call on its own: one row's failure is that call's error only.
+`batch_wait_s` — and a drain task on the worker then takes what is waiting (at most one call
+per session, in arrival order) and runs it through `run_batch`, which answers each call on its
+own: one row's failure is that call's error only.
 
 Calls that arrive while a batch runs wait for the next one (continuous batching). Waiting calls
 hold their place in the worker's bounded queue, so the queue bound still answers
@@ -42,6 +42,9 @@ class _Waiting:
 
 
 class BatchScheduler(Generic[C, R]):
+    """Collects calls (of type C, with a session_id) on the event loop; runs them in batches on
+    the model worker; hands each caller its own result R or error."""
+
     def __init__(self, worker: ModelWorker, run_batch: Callable[[list[C]], Sequence[R | BaseException]],
                  tokens_of: Callable[[C], int], max_batch_size: int = 32, max_batch_tokens: int = 4096,
                  batch_wait_s: float = 0.002):
@@ -156,6 +159,21 @@ class BatchScheduler(Generic[C, R]):
         with self._lock:
             self._drain_queued = False
             taken = self._take_locked()
+        try:
+            self._start(taken)
+        finally:
+            for item in taken:  # a bug above must not leave a caller waiting forever
+                if item.future.running():
+                    item.future.set_exception(RuntimeError("the batch scheduler failed"))
+        with self._lock:
+            delay = self._delay_locked(time.monotonic())
+        if delay <= 0:
+            self._request_drain()
+        elif delay != float("inf") and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._arm_timer, delay)
+
+    def _start(self, taken: list[_Waiting]) -> None:
+        """Drop the calls whose caller went away or whose deadline passed; run the rest."""
         now = time.monotonic()
         batch = []
         for item in taken:
@@ -168,12 +186,6 @@ class BatchScheduler(Generic[C, R]):
             batch.append(item)
         if batch:
             self._run(batch)
-        with self._lock:
-            delay = self._delay_locked(time.monotonic())
-        if delay <= 0:
-            self._request_drain()
-        elif delay != float("inf") and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._arm_timer, delay)
 
     def _run(self, batch: list[_Waiting]) -> None:
         self.batch_sizes[len(batch)] += 1
