@@ -1,5 +1,7 @@
 """Run a causal LM over sessions: roll back, append tokens, return logits.
 
+`forward_batch` runs several sessions in ONE forward over their K/V buffers (a ragged batch,
+see batch_cache.py); models whose cache cannot live in buffers run the rows one by one.
 A runner is driven by one model worker thread (specdec/runtime/worker.py), so its methods
 never run concurrently and need no lock. Long inputs are prefilled in chunks
 (`prefill_step`), each a separate worker task, so one long prompt does not hold the model
