@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -125,6 +126,7 @@ class MemorySessionStore:
             if session_id in self._leases:
                 raise busy_error(session_id)
             lease = Lease(session_id, uuid.uuid4().hex, copy.deepcopy(self._records[session_id]))
+            lease.record.stored_len = len(lease.record.token_ids)
             self._leases[session_id] = lease.lease_id
             return lease
 
@@ -139,7 +141,8 @@ class MemorySessionStore:
         record.updated_at = time.time()
         async with self._lock:
             self._check_holder(lease)
-            self._records[record.session_id] = copy.deepcopy(record)
+            self._records[record.session_id] = _stored_copy(record, self._records[record.session_id])
+            record.stored_len = len(record.token_ids)
 
     async def renew(self, lease: Lease) -> None:
         async with self._lock:
@@ -160,6 +163,17 @@ class MemorySessionStore:
 
     async def close(self) -> None:
         return None
+
+
+def _stored_copy(record: SessionRecord, stored: SessionRecord) -> SessionRecord:
+    """The store's own copy of a record it held as `stored`. Committed tokens only grow under a
+    lease, so the tokens past record.stored_len are copied, not the whole history each round."""
+    tokens = stored.token_ids
+    keep = min(record.stored_len, len(tokens), len(record.token_ids))
+    del tokens[keep:]
+    tokens.extend(record.token_ids[keep:])
+    return dataclasses.replace(record, token_ids=tokens, stats=copy.deepcopy(record.stats),
+                               stored_len=len(tokens))
 
 
 def open_store(url: str, ttl_s: float = 86400.0, lease_s: float = 120.0) -> SessionStore:

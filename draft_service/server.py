@@ -11,6 +11,7 @@ from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.loader import tokenizer_fingerprint
 from specdec.runtime.runner import runner_from_config
+from specdec.runtime.scheduler import batch_scheduler
 from specdec.runtime.worker import ModelWorker
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -27,7 +28,9 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     runner = runner_from_config(config)
     worker = ModelWorker(config.max_queue, name="draft-model")
-    servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description, worker,
+    proposer = ModelProposer(runner, config.proposal_top_k)
+    scheduler = batch_scheduler(config, worker, proposer.propose_batch, lambda call: len(call.new_tokens))
+    servicer = DraftServicer(proposer, runner.description, scheduler,
                      lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,

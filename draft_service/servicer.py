@@ -7,7 +7,7 @@ from typing import Callable
 from specdec.rpc.convert import description_for, dist_to_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.runtime.calls import deadline_of, run_call
-from specdec.runtime.worker import ModelWorker
+from specdec.runtime.scheduler import BatchScheduler
 from specdec.types import ModelDescription
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -15,11 +15,12 @@ from draft_service.proposer import ModelProposer
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: ModelProposer, description: ModelDescription, worker: ModelWorker,
+    def __init__(self, proposer: ModelProposer, description: ModelDescription, scheduler: BatchScheduler,
                  fingerprint: Callable[[int], str]):
         self.proposer = proposer
         self.description = description
-        self.worker = worker
+        self.scheduler = scheduler
+        self.worker = scheduler.worker
         self.fingerprint = fingerprint  # tokenizer fingerprint over the ids below a size
 
     @map_errors
@@ -33,8 +34,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
         )
-        proposal = await run_call(self.worker, self.proposer.runner, call, self.proposer.propose,
-                                  deadline_of(context))
+        proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline_of(context))
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             draft_probs=[dist_to_pb(d) for d in proposal.draft_probs],
@@ -43,4 +43,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @map_errors
     async def Release(self, request, context):
+        self.scheduler.forget(request.session_id)
         return draft_pb2.DraftServiceReleaseResponse(released=self.proposer.release(request.session_id))

@@ -49,6 +49,11 @@ class ModelServiceConfig(ServerTlsConfig):
     prefill_chunk: int = opt(512, "longest input run in one forward; longer prompts are prefilled in "
                              "chunks, with other sessions' calls in between")
     max_queue: int = opt(256, "calls waiting for the model at most; more get RESOURCE_EXHAUSTED")
+    batch_wait_ms: float = opt(2.0, "longest a call waits for other sessions' calls to share its forward "
+                               "(0 = no waiting; calls that queue behind a running batch still batch)")
+    max_batch_size: int = opt(32, "most sessions in one batched forward (1 = no batching)")
+    max_batch_tokens: int = opt(4096, "most tokens in one batched forward, padding included (sessions x "
+                                "longest input); a single longer call still runs alone")
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")
     trust_remote_code: bool = opt(False, "allow model code from the checkpoint (hub models only)")
 

@@ -56,6 +56,31 @@ def truncate_top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return top.indices, kept / kept.sum(dim=-1, keepdim=True)
 
 
+def proposal_top_k(logits: torch.Tensor, params: SamplingParams, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's proposal distribution: the request's warp, truncated to its k most likely
+    tokens and renormalised, without sorting the vocabulary.
+
+    logits [n, vocab] -> (ids [n, k'], probs [n, k'] float32), most likely first; the same as
+    truncate_top_k(target_probs(logits, params), k) for a sampled request: top-p needs only the
+    warped mass of the tokens before each one, and every token kept is among the k most likely.
+    Tokens the warp drops have probability 0. Not for greedy requests.
+    """
+    scaled = logits.float() / params.temperature  # [n, vocab]
+    vocab = scaled.shape[-1]
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    values, ids = torch.topk(scaled, min(vocab, max(k, top_k)), dim=-1)  # [n, kk] most likely first
+    if top_k:
+        kth = values[:, top_k - 1:top_k]  # [n, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        values = values.masked_fill(values < kth, float("-inf"))
+    values, ids = values[:, :k], ids[:, :k]  # [n, k']
+    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # warped p of each, [n, k']
+    if params.top_p < 1.0:
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= params.top_p, 0.0)  # the first token is always kept
+    return ids, probs / probs.sum(dim=-1, keepdim=True)
+
+
 def densify(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
     """Sparse rows back to dense. ids/probs [n, k] -> [n, vocab]; ids >= vocab are dropped."""
     dense = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.float32, device=probs.device)

@@ -11,6 +11,7 @@ from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.loader import tokenizer_fingerprint
 from specdec.runtime.runner import runner_from_config
+from specdec.runtime.scheduler import batch_scheduler
 from specdec.runtime.worker import ModelWorker
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -27,7 +28,10 @@ def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerIntercepto
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     runner = runner_from_config(config)
     worker = ModelWorker(config.max_queue, name="target-model")
-    servicer = TargetServicer(Verifier(runner), runner.description, worker,
+    verifier = Verifier(runner)
+    scheduler = batch_scheduler(config, worker, verifier.verify_batch,
+                                lambda call: len(call.new_tokens) + len(call.drafts))
+    servicer = TargetServicer(verifier, runner.description, scheduler,
                      lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,

@@ -7,7 +7,7 @@ from typing import Callable
 from specdec.rpc.convert import description_for, dist_from_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.runtime.calls import deadline_of, run_call
-from specdec.runtime.worker import ModelWorker
+from specdec.runtime.scheduler import BatchScheduler
 from specdec.types import ModelDescription
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -15,11 +15,12 @@ from target_service.verifier import Verifier
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, verifier: Verifier, description: ModelDescription, worker: ModelWorker,
+    def __init__(self, verifier: Verifier, description: ModelDescription, scheduler: BatchScheduler,
                  fingerprint: Callable[[int], str]):
         self.verifier = verifier
         self.description = description
-        self.worker = worker
+        self.scheduler = scheduler
+        self.worker = scheduler.worker
         self.fingerprint = fingerprint  # tokenizer fingerprint over the ids below a size
 
     @map_errors
@@ -34,8 +35,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
             sampling_from_pb(request.sampling), request.seed,
         )
-        verdict = await run_call(self.worker, self.verifier.runner, call, self.verifier.verify,
-                                 deadline_of(context))
+        verdict = await run_call(self.scheduler, self.verifier.runner, call, deadline_of(context))
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             is_bonus=verdict.is_bonus, accept_probs=verdict.accept_probs,
@@ -44,4 +44,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @map_errors
     async def Release(self, request, context):
+        self.scheduler.forget(request.session_id)
         return target_pb2.TargetServiceReleaseResponse(released=self.verifier.release(request.session_id))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
+
+import torch
 
 from specdec.acceptance import accept_greedy, accept_sampled
 from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.rng import make_generator
-from specdec.runtime.runner import ModelRunner
+from specdec.runtime.kv_cache import SessionCache
+from specdec.runtime.runner import ModelRunner, Row
 from specdec.sampling import target_probs
 from specdec.types import SamplingParams, SparseDist, Verdict
 
@@ -49,23 +53,56 @@ class Verifier:
         return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed)
 
     def verify(self, call: VerifyCall) -> Verdict:
-        """Run on the model worker: roll back, one forward, accept, crop after the last accepted."""
+        """One call alone (a batch of one)."""
+        result = self.verify_batch([call])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[Verdict | Exception]:
+        """Run on the model worker: roll each session back, ONE forward over every row's new
+        tokens + drafts, then each row's acceptance step with its own generator; crop each
+        session after its last accepted draft. Calls are of distinct sessions. A row's failure
+        (cache miss, bad q) is its own result; a failed forward is the result of every row in it."""
         runner = self.runner
-        gamma = len(call.drafts)
-        entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens)
-        base = len(entry)
-        logits = runner.forward(call.session_id, entry, list(feed) + call.drafts,
-                                keep_logits=gamma + 1)  # [γ+1, vocab]
+        results: list[Verdict | Exception | None] = [None] * len(calls)
+        started: list[tuple[int, SessionCache]] = []  # (index, the session's cache)
+        rows: list[Row] = []
+        for index, call in enumerate(calls):
+            try:
+                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens)
+            except Exception as exc:  # noqa: BLE001 - this row's error, not the batch's
+                results[index] = exc
+                continue
+            started.append((index, entry))
+            rows.append(Row(call.session_id, entry, list(feed) + call.drafts, len(call.drafts) + 1))
+        try:
+            logits = runner.forward_batch(rows) if rows else []  # per row [γ+1, vocab]
+        except Exception as exc:  # noqa: BLE001 - every row of the forward failed with it
+            logits = [exc] * len(rows)
+        for (index, entry), row_logits in zip(started, logits):
+            if isinstance(row_logits, Exception):
+                results[index] = row_logits
+                continue
+            try:
+                results[index] = self._accept(calls[index], entry, row_logits)
+            except Exception as exc:  # noqa: BLE001
+                results[index] = exc
+        runner.finish([call.session_id for call in calls])
+        return results
+
+    def _accept(self, call: VerifyCall, entry: SessionCache, logits: torch.Tensor) -> Verdict:
+        """The acceptance step of one row. logits [γ+1, vocab]; the cache holds the fed tokens +
+        the drafts and is cropped after the last accepted draft."""
         if call.params.greedy:
             verdict = accept_greedy(call.drafts, logits.argmax(dim=-1).tolist())
         else:
-            generator = make_generator(call.seed, runner.device)
+            generator = make_generator(call.seed, self.runner.device)
             p = target_probs(logits, call.params)  # [γ+1, vocab]
             verdict = accept_sampled(call.drafts, call.draft_q or DraftQ.from_dense(p[:0], []), p, generator)
-        entry.crop(base + len(feed) + verdict.num_accepted)
-        cached = len(entry)
-        runner.finish(call.session_id)
-        return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs, cached)
+        entry.crop(len(entry) - len(call.drafts) + verdict.num_accepted)
+        return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs,
+                       len(entry))
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)

@@ -11,7 +11,7 @@ from specdec.acceptance import accept_greedy, accept_sampled
 from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.rng import RequestRng, make_generator
-from specdec.sampling import densify, target_probs, truncate_top_k, warp_logits
+from specdec.sampling import densify, proposal_top_k, target_probs, truncate_top_k, warp_logits
 from specdec.types import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])  # [1, vocab=6]
@@ -67,6 +67,26 @@ def test_truncate_top_k_and_densify_round_trip():
     assert (dense[0, 3:] == 0).all()
     # ids beyond the (target) vocabulary are dropped, not wrapped
     assert densify(torch.tensor([[7, 1]]), torch.tensor([[0.5, 0.5]]), 6).tolist() == [[0, 0.5, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7), SamplingParams(top_k=5), SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=50, top_p=0.5), SamplingParams(temperature=0.5, top_k=3, top_p=0.99),
+    SamplingParams(top_p=0.05), SamplingParams(top_k=40),
+])
+@pytest.mark.parametrize("vocab, k", [(12, 4), (384, 32), (5000, 32)])
+def test_draft_proposal_equals_the_warp_truncated_to_top_k(params, vocab, k):
+    """The draft's q without a sort of the vocabulary is the warped distribution cut to its top k."""
+    logits = torch.randn((6, vocab), generator=torch.Generator().manual_seed(vocab + k)) * 3
+    want_ids, want = truncate_top_k(target_probs(logits, params), k)
+    ids, probs = proposal_top_k(logits, params, k)
+    assert ids.shape == want_ids.shape
+    for row in range(6):
+        expected = {i: p for i, p in zip(want_ids[row].tolist(), want[row].tolist()) if p > 0}
+        got = {i: p for i, p in zip(ids[row].tolist(), probs[row].tolist()) if p > 0}
+        assert got.keys() == expected.keys()
+        assert max(abs(got[i] - expected[i]) for i in got) < 1e-6
+        assert probs[row].tolist() == sorted(probs[row].tolist(), reverse=True)  # most likely first
 
 
 @pytest.mark.parametrize(

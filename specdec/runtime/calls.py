@@ -1,6 +1,7 @@
 """Running one Propose / Verify call on the model worker, long inputs in chunks.
 
-A call whose new tokens exceed the runner's prefill chunk is split into prefill steps, each a
+The call's final step goes through the batch scheduler, which runs it together with other
+sessions' final steps in one forward. A call whose new tokens exceed the runner's prefill chunk is split into prefill steps, each a
 separate task on the worker, so other sessions' rounds run in between. A step whose caller's
 deadline has passed is never started; the steps already done stay in the cache, and a resend
 (prefix_len 0 with the full history) picks up where they ended instead of starting again.
@@ -11,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from array import array
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Protocol, Sequence, TypeVar
 
 from specdec.runtime.runner import ModelRunner
-from specdec.runtime.worker import ModelWorker
+from specdec.runtime.scheduler import BatchScheduler
 
 R = TypeVar("R")
 
@@ -35,9 +36,9 @@ def deadline_of(context: Any) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-async def run_call(worker: ModelWorker, runner: ModelRunner, call: C, final: Callable[[C], R],
-                   deadline: float | None) -> R:
-    """Prefill the call's input in chunks when it is long, then run final(call) on the worker."""
+async def run_call(scheduler: BatchScheduler, runner: ModelRunner, call: C, deadline: float | None) -> R:
+    """Prefill the call's input in chunks when it is long, then run its final step in a batch."""
+    worker = scheduler.worker
     if runner.needs_prefill_steps(call.new_tokens):
         held = await worker.run(runner.held_prefix, call.session_id, call.prefix_len, call.prefix_hash,
                                 deadline=deadline)
@@ -50,4 +51,4 @@ async def run_call(worker: ModelWorker, runner: ModelRunner, call: C, final: Cal
                 break
         call = dataclasses.replace(call, prefix_len=upto, prefix_hash=prefix_hash,
                                    new_tokens=sequence[upto:].tolist())
-    return await worker.run(final, call, deadline=deadline)
+    return await scheduler.run(call, deadline)

@@ -1,4 +1,12 @@
-"""Per-session KV caches with crop (the rollback) and an LRU bound by count and memory."""
+"""Per-session KV caches: preallocated buffers (rollback = a length decrement), an LRU bound by
+count and memory with incremental byte accounting.
+
+A session's K/V live in one tensor [layers, 2, kv_heads, capacity, head_dim] whose first
+len(tokens) positions are valid: appending writes past them, a rollback only shortens the token
+list, and the capacity grows geometrically, so the history is copied O(1) times amortised
+instead of once per forward (as concatenating caches do). Models whose cache cannot be held that
+way (sliding-window or linear-attention layers) keep a transformers DynamicCache per session.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,15 @@ import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
+import torch
 from transformers import DynamicCache
 
 from specdec.fingerprint import PrefixHashes
+
+MIN_CAPACITY = 16  # tokens
+DOUBLE_UNTIL = 256  # tokens: below this the capacity doubles, above it grows by an eighth
 
 
 def _as_array(tokens: Sequence[int]) -> array:
@@ -33,16 +45,67 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-@dataclass
-class SessionCache:
-    """The KV cache of one session, the token ids it holds and their prefix fingerprints."""
+def grown_capacity(capacity: int, needed: int) -> int:
+    """The next capacity holding `needed` tokens: doubling while small, then +1/8 per step, so
+    the unused tail stays within an eighth of a long session's K/V."""
+    capacity = max(capacity, MIN_CAPACITY)
+    while capacity < needed:
+        capacity = capacity * 2 if capacity < DOUBLE_UNTIL else capacity + -(-capacity // 8)
+    return capacity
 
-    cache: Any = field(default_factory=DynamicCache)
-    tokens: array = field(default_factory=lambda: array("i"))
-    hashes: PrefixHashes = field(default_factory=PrefixHashes)
 
-    def __len__(self) -> int:
-        return len(self.tokens)
+@dataclass(frozen=True)
+class KVSpec:
+    """The shape of one token's K/V across the model: what a buffer row holds."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The model's theoretical K/V size of one token."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KVBuffer:
+    """One session's K/V: data [layers, 2, kv_heads, capacity, head_dim] (None until first use)."""
+
+    __slots__ = ("spec", "data")
+
+    def __init__(self, spec: KVSpec):
+        self.spec = spec
+        self.data: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.data is None else self.data.shape[3]
+
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
+    def reserve(self, needed: int, held: int) -> None:
+        """Room for `needed` tokens, keeping the first `held` (the only valid ones)."""
+        if needed <= self.capacity:
+            return
+        s = self.spec
+        capacity = grown_capacity(self.capacity, needed)
+        # zeros, not empty: a batch reads whole rows, and garbage could hold NaN / inf
+        data = torch.zeros((s.layers, 2, s.kv_heads, capacity, s.head_dim), dtype=s.dtype, device=s.device)
+        if self.data is not None and held:
+            data[:, :, :, :held].copy_(self.data[:, :, :, :held])
+        self.data = data
+
+
+class DynamicKV:
+    """Fallback for caches a buffer cannot hold: a transformers DynamicCache (grown by concatenation)."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self) -> None:
+        self.cache: Any = DynamicCache()
 
     def nbytes(self) -> int:
         total = 0
@@ -53,8 +116,32 @@ class SessionCache:
                     total += tensor.numel() * tensor.element_size()
         return total
 
+    def crop(self, held: int, length: int) -> bool:
+        if not getattr(self.cache, "is_croppable", True):
+            return False
+        self.cache.crop(length - held)  # transformers >= 5: a negative count removes that many tokens
+        return True
+
+
+@dataclass
+class SessionCache:
+    """The K/V of one session (`kv`: a KVBuffer or a DynamicKV), the token ids it holds and their
+    prefix fingerprints. The first len(tokens) positions of `kv` are valid."""
+
+    kv: Any
+    tokens: array = field(default_factory=lambda: array("i"))
+    hashes: PrefixHashes = field(default_factory=PrefixHashes)
+    accounted: int = 0  # bytes counted for it in SessionCaches' total
+    kept: bool = False  # in a SessionCaches (its bytes count there)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes()
+
     def append(self, tokens: Sequence[int]) -> None:
-        """Record tokens the model has just run (their K/V are in `cache`)."""
+        """Record tokens the model has just run (their K/V are in `kv`)."""
         self.tokens.extend(tokens)
         self.hashes.extend(tokens)
 
@@ -64,25 +151,26 @@ class SessionCache:
 
     def crop(self, length: int) -> bool:
         """Keep the first `length` tokens. False when this cache cannot be cropped."""
-        remove = len(self.tokens) - length
-        if remove <= 0:
+        held = len(self.tokens)
+        if held <= length:
             return True
-        if not getattr(self.cache, "is_croppable", True):
+        if isinstance(self.kv, DynamicKV) and not self.kv.crop(held, length):
             return False
-        self.cache.crop(-remove)  # transformers >= 5: a negative count removes that many tokens
         del self.tokens[length:]
         self.hashes.truncate(length)
         return True
 
 
 class SessionCaches:
-    """Caches by session id, least recently used first; thread-safe."""
+    """Caches by session id, least recently used first; thread-safe. The byte total is kept up
+    to date call by call (`account`), never by scanning every session."""
 
     def __init__(self, max_sessions: int, max_bytes: int):
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, SessionCache] = OrderedDict()
         self._lock = threading.Lock()
+        self._bytes = 0
         self.evictions = 0
 
     def get(self, session_id: str) -> SessionCache | None:
@@ -94,18 +182,44 @@ class SessionCaches:
 
     def put(self, session_id: str, entry: SessionCache) -> None:
         with self._lock:
+            old = self._entries.get(session_id)
+            if old is not None and old is not entry:
+                self._drop(session_id)
             self._entries[session_id] = entry
+            entry.kept = True
             self._entries.move_to_end(session_id)
+            self._account(entry)
+
+    def account(self, entry: SessionCache) -> None:
+        """Count an entry's current size (after it grew) in the total, if it is still kept."""
+        with self._lock:
+            self._account(entry)
+
+    def _account(self, entry: SessionCache) -> None:
+        if not entry.kept:  # released or evicted meanwhile: no longer counted
+            return
+        size = entry.nbytes()
+        self._bytes += size - entry.accounted
+        entry.accounted = size
+
+    def _drop(self, session_id: str) -> SessionCache:
+        entry = self._entries.pop(session_id)
+        self._bytes -= entry.accounted
+        entry.accounted, entry.kept = 0, False
+        return entry
 
     def release(self, session_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(session_id, None) is not None
+            if session_id not in self._entries:
+                return False
+            self._drop(session_id)
+            return True
 
     def discard(self, session_id: str, entry: SessionCache) -> None:
         """Drop the session's cache if it is still `entry` (a failed forward left it inconsistent)."""
         with self._lock:
             if self._entries.get(session_id) is entry:
-                del self._entries[session_id]
+                self._drop(session_id)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -115,21 +229,21 @@ class SessionCaches:
 
     def total_bytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes() for e in self._entries.values())
+            return self._bytes
 
-    def enforce_limits(self, keep: str | None = None) -> list[str]:
-        """Evict least recently used sessions (never `keep`) until within both bounds."""
+    def enforce_limits(self, keep: Iterable[str] = ()) -> list[str]:
+        """Evict least recently used sessions (never those in `keep`) until within both bounds."""
+        keep = {keep} if isinstance(keep, str) else set(keep)
         evicted: list[str] = []
         with self._lock:
-            sizes = {sid: e.nbytes() for sid, e in self._entries.items()}
-            total = sum(sizes.values())
+            if len(self._entries) <= self.max_sessions and self._bytes <= self.max_bytes:
+                return evicted
             for sid in list(self._entries):
-                if len(self._entries) <= self.max_sessions and total <= self.max_bytes:
+                if len(self._entries) <= self.max_sessions and self._bytes <= self.max_bytes:
                     break
-                if sid == keep:
+                if sid in keep:
                     continue
-                del self._entries[sid]
-                total -= sizes[sid]
+                self._drop(sid)
                 evicted.append(sid)
         self.evictions += len(evicted)
         return evicted

@@ -1,5 +1,7 @@
 """Run a causal LM over sessions: roll back, append tokens, return logits.
 
+`forward_batch` runs several sessions in ONE forward over their K/V buffers (a ragged batch,
+see batch_cache.py); models whose cache cannot live in buffers run the rows one by one.
 A runner is driven by one model worker thread (specdec/runtime/worker.py), so its methods
 never run concurrently and need no lock. Long inputs are prefilled in chunks
 (`prefill_step`), each a separate worker task, so one long prompt does not hold the model
@@ -10,13 +12,15 @@ from __future__ import annotations
 
 import logging
 from array import array
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import torch
 
 from specdec.errors import CacheMiss, InvalidArgument, ResourceExhausted
 from specdec.logtag import session_tag
-from specdec.runtime.kv_cache import SessionCache, SessionCaches, common_prefix
+from specdec.runtime import batch_cache
+from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches, common_prefix
 from specdec.runtime.loader import (
     LoadedModel,
     eos_token_ids,
@@ -26,6 +30,16 @@ from specdec.runtime.loader import (
 from specdec.types import ModelDescription
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One session's part of a forward: append `tokens`, return the last keep_logits logits."""
+
+    session_id: str
+    entry: SessionCache
+    tokens: Sequence[int]
+    keep_logits: int
 
 
 class ModelRunner:
@@ -53,6 +67,35 @@ class ModelRunner:
             device=str(self.device),
             max_speculative_tokens=max_speculative_tokens,
         )
+        self.kv_spec, why = batch_cache.buffered_spec(self.model, self.device, loaded.dtype)
+        if self.kv_spec is not None and not self._batches_agree():
+            self.kv_spec, why = None, "a batched forward of two sessions disagreed with running them alone"
+        if self.kv_spec is None:
+            log.warning("%s: per-session DynamicCache, no batched forwards (%s)", loaded.model_id, why)
+        else:
+            log.info("%s: K/V in per-session buffers, %d bytes per token; batched forwards",
+                     loaded.model_id, self.kv_spec.bytes_per_token)
+
+    def _batches_agree(self) -> bool:
+        """Start-up check: two sessions of different lengths in one batched forward get the
+        logits they get alone (a model that ignored position_ids or the 4-D mask would not)."""
+        generator = torch.Generator().manual_seed(0)
+        high = min(self.embedding_size, self.vocab_size)
+        tokens = [torch.randint(1, high, (n,), generator=generator).tolist() for n in (9, 4)]
+        alone, together = [], [self.new_entry(), self.new_entry()]
+        for seq, entry in zip(tokens, together):
+            self.forward("", entry, seq[:-2], 1)
+            mine = self.new_entry()
+            self.forward("", mine, seq[:-2], 1)
+            alone.append(self.forward("", mine, seq[-2:], 2))
+        batched = self.forward_batch([Row("", e, seq[-2:], 2) for seq, e in zip(tokens, together)])
+        self.tokens_run = 0
+        return all(torch.allclose(b, a, rtol=0.02, atol=0.02 * float(a.abs().max()))
+                   for a, b in zip(alone, batched))
+
+    def new_entry(self) -> SessionCache:
+        """An empty session cache of the kind this model uses."""
+        return SessionCache(DynamicKV() if self.kv_spec is None else KVBuffer(self.kv_spec))
 
     # ---- validation (no cache access) -----------------------------------------------------
 
@@ -97,7 +140,7 @@ class ModelRunner:
         entry = self.caches.get(session_id)
         keep = 0 if entry is None else common_prefix(entry.tokens, sequence[:limit])
         if entry is None or keep == 0 or not entry.crop(keep):
-            entry = SessionCache()
+            entry = self.new_entry()
             self.caches.put(session_id, entry)
         return entry
 
@@ -136,31 +179,76 @@ class ModelRunner:
         self.finish(session_id)
         return len(entry), entry.hashes.at(len(entry))
 
-    @torch.inference_mode()
     def forward(self, session_id: str, entry: SessionCache, tokens: Sequence[int],
                 keep_logits: int) -> torch.Tensor:
-        """Append tokens to the session; return float32 logits of the last keep_logits positions.
+        """Append tokens to one session; float32 logits of its last keep_logits positions.
 
-        -> [keep_logits, vocab]. A forward that fails part-way may leave layers that disagree:
-        the session's cache is then dropped, so the next call rebuilds it.
+        -> [keep_logits, vocab]."""
+        return self.forward_batch([Row(session_id, entry, tokens, keep_logits)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """Append each row's tokens to its session in ONE forward (rows are distinct sessions);
+        per row, float32 logits of its last keep_logits positions -> [keep_logits, vocab].
+
+        A forward that fails part-way may leave layers that disagree: the rows' caches are then
+        dropped, so their next calls rebuild them.
         """
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
         try:
-            out = self.model(input_ids=input_ids, cache=entry.cache, use_cache=True,
-                             logits_to_keep=keep_logits)
+            if self.kv_spec is None:
+                logits = [self._forward_dynamic(row) for row in rows]
+            else:
+                logits = self._forward_buffered(rows)
         except BaseException as exc:
-            self.caches.discard(session_id, entry)
+            for row in rows:
+                self.caches.discard(row.session_id, row.entry)
             if isinstance(exc, torch.OutOfMemoryError):
-                raise ResourceExhausted(f"out of device memory running {len(tokens)} tokens: {exc}") from exc
+                tokens = sum(len(row.tokens) for row in rows)
+                raise ResourceExhausted(f"out of device memory running {tokens} tokens: {exc}") from exc
             raise
-        entry.cache = out.cache
-        entry.append(tokens)
-        self.tokens_run += len(tokens)
-        return out.logits[0, -keep_logits:].float()  # [keep_logits, vocab]
+        for row in rows:
+            row.entry.append(row.tokens)
+            self.caches.account(row.entry)
+            self.tokens_run += len(row.tokens)
+        return logits
 
-    def finish(self, session_id: str) -> None:
-        """Apply the cache bounds after a call (never evicting the session just used)."""
-        evicted = self.caches.enforce_limits(keep=session_id)
+    def _forward_dynamic(self, row: Row) -> torch.Tensor:
+        """The fallback: one session through its DynamicCache -> [keep_logits, vocab]."""
+        input_ids = torch.tensor([list(row.tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        kv = row.entry.kv
+        out = self.model(input_ids=input_ids, cache=kv.cache, use_cache=True, logits_to_keep=row.keep_logits)
+        kv.cache = out.cache
+        return out.logits[0, -row.keep_logits:].float()
+
+    def _forward_buffered(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """Every row in one forward over the sessions' K/V buffers (see batch_cache)."""
+        pasts = [len(row.entry) for row in rows]
+        lengths = [len(row.tokens) for row in rows]
+        n = max(lengths)
+        buffers = [row.entry.kv for row in rows]
+        for buffer, past, length in zip(buffers, pasts, lengths):
+            buffer.reserve(past + length, past)
+        if len(rows) == 1:
+            kv, cache = None, batch_cache.single_cache(buffers[0], pasts[0])
+        else:
+            kv = batch_cache.gather(buffers, pasts, n, self.kv_spec)  # [layers, 2, B, heads, P+n, dim]
+            cache = batch_cache.BufferCache(kv, max(pasts))
+        keep = max(row.keep_logits for row in rows)
+        out = self.model(
+            input_ids=batch_cache.input_ids([row.tokens for row in rows], n, self.device),  # [B, n]
+            position_ids=batch_cache.position_ids(pasts, lengths, n, self.device),  # [B, n]
+            # one row: the model's own causal mask over the buffer view (often none at all)
+            attention_mask=None if kv is None else batch_cache.attention_mask(pasts, lengths, n, self.loaded.dtype,
+                                                                              self.device),
+            cache=cache, use_cache=True, logits_to_keep=keep)
+        if kv is not None:
+            batch_cache.scatter(kv, buffers, pasts, lengths)
+        logits = out.logits.float()  # [B, keep, vocab]
+        return [logits[b, keep - row.keep_logits:] for b, row in enumerate(rows)]
+
+    def finish(self, keep: str | Iterable[str]) -> None:
+        """Apply the cache bounds after a call (never evicting the sessions just used)."""
+        evicted = self.caches.enforce_limits(keep=keep)
         if evicted:
             log.info("evicted %d session cache(s): %s", len(evicted), [session_tag(s) for s in evicted])
 

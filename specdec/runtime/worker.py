@@ -41,11 +41,11 @@ class ModelWorker:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, args, deadline = item
+            future, fn, args, deadline, counted = item
             if not future.set_running_or_notify_cancel():
                 continue  # the caller went away while it waited (counted out by _forget)
-            with self._lock:
-                self._pending -= 1
+            if counted:
+                self.unreserve()
             if deadline is not None and time.monotonic() > deadline:
                 future.set_exception(DeadlinePassed("the call's deadline passed while it was queued"))
                 continue
@@ -56,8 +56,9 @@ class ModelWorker:
                 future.set_exception(exc)
             self._busy_s = 0.9 * self._busy_s + 0.1 * (time.monotonic() - started)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Future:
-        """Queue fn(*args); deadline is a time.monotonic() value after which it is not started."""
+    def reserve(self) -> None:
+        """Take a place in the bounded queue; RESOURCE_EXHAUSTED (with a retry hint) when full.
+        Work that waits elsewhere (a batch being collected) holds its place this way."""
         with self._lock:
             if self._pending >= self.max_queue:
                 retry = max(0.05, self._pending * self._busy_s)
@@ -65,15 +66,27 @@ class ModelWorker:
                     f"this service has {self._pending} calls queued (the limit, --max-queue); "
                     f"retry in {retry:.2f}s", retry_after_s=retry)
             self._pending += 1
+
+    def unreserve(self) -> None:
+        """Give a place back (its work started, or its caller went away)."""
+        with self._lock:
+            self._pending -= 1
+
+    def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None,
+               counted: bool = True) -> Future:
+        """Queue fn(*args); deadline is a time.monotonic() value after which it is not started.
+        counted=False: internal work that takes no place in the bounded queue."""
+        if counted:
+            self.reserve()
         future: Future = Future()
-        future.add_done_callback(self._forget)
-        self._queue.put((future, fn, args, deadline))
+        if counted:
+            future.add_done_callback(self._forget)
+        self._queue.put((future, fn, args, deadline, counted))
         return future
 
     def _forget(self, future: Future) -> None:
         if future.cancelled():  # never started: it no longer takes a place in the queue
-            with self._lock:
-                self._pending -= 1
+            self.unreserve()
 
     async def run(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         return await asyncio.wrap_future(self.submit(fn, *args, deadline=deadline))
