@@ -14,6 +14,7 @@ from specdec.config import TargetConfig
 from specdec.rpc.status import RETRY_AFTER_KEY
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service import server as target_server
+from tests.cluster import _free_port
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 BUSY_S = 4.0
@@ -21,7 +22,7 @@ BUSY_S = 4.0
 
 @pytest.fixture
 def target(models):
-    config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=0, max_queue=2)
+    config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=_free_port(), max_queue=2)
     server, port, servicer = target_server.start(config)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield target_pb2_grpc.TargetServiceStub(channel), health_pb2_grpc.HealthStub(channel), servicer

@@ -18,7 +18,7 @@ from specdec.config import CoordinatorConfig, TargetConfig
 from specdec.runtime.loader import load_model
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service import server as target_server
-from tests.cluster import Cluster
+from tests.cluster import Cluster, _free_port
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
@@ -125,7 +125,7 @@ def test_propose_returns_q_of_the_requested_warp(models, llama_cluster, temperat
 
 
 def test_kv_caches_are_bounded_lru(models, tmp_path):
-    config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=0, max_sessions=2)
+    config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=_free_port(), max_sessions=2)
     server, port, servicer = target_server.start(config)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -34,7 +34,10 @@ def _add_health_and_reflection(server, health_servicer, service_names: Iterable[
 def _bind(server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
     """Listen in plaintext, or with TLS when `credentials` are given."""
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises this when the bind fails
+        bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (address in use or not local?)")
     return bound
@@ -46,7 +49,9 @@ async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_
                            interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                            ) -> tuple[grpc.aio.Server, int]:
     """A started asyncio server; returns (server, bound port)."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
+    # no SO_REUSEPORT: a second server on a port in use must fail, not silently share it
+    server = grpc.aio.server(options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+                             interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
     names = list(service_names)
