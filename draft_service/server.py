@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from specdec.config import DraftConfig
+from specdec.metrics import Metrics, serve_metrics
+from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.loader import tokenizer_fingerprint
@@ -24,7 +26,22 @@ def start(config: DraftConfig) -> tuple[BackgroundServer, int, DraftServicer]:
     worker = ModelWorker(config.max_queue, name="draft-model")
     servicer = DraftServicer(ModelProposer(runner, config.proposal_top_k), runner.description, worker,
                      lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
+    metrics = Metrics("draft")
+    metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
+                  kv_cache_bytes=runner.caches.total_bytes)
+    try:
+        metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
+    except OSError:
+        worker.close()
+        raise
+
+    def stop() -> None:
+        worker.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,
-                                      credentials, on_stop=worker.close)
+                                      credentials, on_stop=stop,
+                                      interceptors=[MetricsInterceptor(metrics, {"Propose": "draft"})])
     return server, port, servicer

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from specdec.config import TargetConfig
+from specdec.metrics import Metrics, serve_metrics
+from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.loader import tokenizer_fingerprint
@@ -24,7 +26,22 @@ def start(config: TargetConfig) -> tuple[BackgroundServer, int, TargetServicer]:
     worker = ModelWorker(config.max_queue, name="target-model")
     servicer = TargetServicer(Verifier(runner), runner.description, worker,
                      lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
+    metrics = Metrics("target")
+    metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
+                  kv_cache_bytes=runner.caches.total_bytes)
+    try:
+        metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
+    except OSError:
+        worker.close()
+        raise
+
+    def stop() -> None:
+        worker.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
-                                      credentials, on_stop=worker.close)
+                                      credentials, on_stop=stop,
+                                      interceptors=[MetricsInterceptor(metrics, {"Verify": "verify"})])
     return server, port, servicer

@@ -90,13 +90,15 @@ class BackgroundServer:
 
 def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str,
                        credentials: grpc.ServerCredentials | None = None,
-                       on_stop: Callable[[], None] | None = None) -> tuple[BackgroundServer, int]:
+                       on_stop: Callable[[], None] | None = None,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[BackgroundServer, int]:
     """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"{service_name}-grpc", daemon=True)
     thread.start()
     build = build_aio_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
-                             config.port or default_port, config.max_message_bytes, credentials)
+                             config.port or default_port, config.max_message_bytes, credentials,
+                             interceptors)
     try:
         server, port = asyncio.run_coroutine_threadsafe(build, loop).result(60)
     except BaseException:
