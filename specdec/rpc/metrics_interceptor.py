@@ -58,8 +58,12 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                async for response in behavior(request, context):
-                    yield response
+                call = behavior(request, context)
+                if hasattr(call, "__aiter__"):
+                    async for response in call:
+                        yield response
+                else:  # a coroutine handler (writes with context.write, or aborts)
+                    await call
             except BaseException as exc:
                 self._finish(method, _code_of(exc, context), started)
                 raise
