@@ -1,14 +1,15 @@
 """Each round's plan: which source proposes (draft model, prompt lookup, none) and how many tokens.
 
-`Speculation` is one per coordinator: the round-cost model shared by all sessions and, per
-session, a `SessionPolicy` (acceptance estimates per source), kept in a bounded LRU so a
-continued session keeps what it learnt. `Speculation.start(...)` gives a request its
+`Speculation` is one per coordinator: the round-cost model shared by all sessions, the
+acceptance per source over all sessions (a new session starts from it rather than spending
+warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acceptance
+estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
 `RequestSpeculation`, which holds the request's override (proposer, fixed γ) and an n-gram
 proposer indexing the session's history incrementally.
 
 A round: ``plan = spec.plan(history, cap, draft_available)``; an n-gram plan carries its
 tokens (the proposal distribution of each is one-hot: `one_hot_dists`); after verification,
-``spec.observe(plan, accepted, ...)`` feeds acceptance and timings back.
+``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from typing import Sequence
 from specdec.types import SparseDist
 
 from coordinator.ngram import NgramProposer
-from coordinator.policy import DRAFT, NGRAM, NONE, CostModel, PolicyConfig, SessionPolicy
+from coordinator.policy import (DRAFT, NGRAM, NONE, SOURCES, AcceptanceEstimate, CostModel, PolicyConfig,
+                                SessionPolicy)
 
 MODES = ("auto", DRAFT, NGRAM, NONE)
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
+PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
+PRIOR_WEIGHT = 3.0   # a new session starts from that α worth this many trials
 
 
 class FixedCosts(CostModel):
@@ -62,10 +66,11 @@ class RequestSpeculation:
     """One request's planner: its override, the session's policy and an n-gram index."""
 
     def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: str,
-                 fixed_gamma: int | None) -> None:
+                 fixed_gamma: int | None, priors: dict[str, AcceptanceEstimate] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
+        self.priors = priors if priors is not None else {}
 
     @property
     def uses_draft(self) -> bool:
@@ -98,6 +103,8 @@ class RequestSpeculation:
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens)
         if source == NGRAM:
             self.ngram.observe(proposed, accepted)
+        if source in self.priors:
+            self.priors[source].observe(proposed, accepted)
 
 
 class Speculation:
@@ -117,12 +124,18 @@ class Speculation:
         self.ngram_max, self.ngram_max_tokens = ngram_max, ngram_max_tokens
         self.max_sessions = max_sessions
         self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
+        # α per source over all sessions: a new session starts from it instead of warming up
+        self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
 
     def policy(self, session_id: str) -> SessionPolicy:
-        """The session's policy (a fresh one for a session not seen, or forgotten)."""
+        """The session's policy (a fresh one for a session not seen, or forgotten; it starts from
+        the coordinator-wide α of the sources that have one)."""
         policy = self._policies.get(session_id)
         if policy is None:
             policy = self._policies[session_id] = SessionPolicy(self.config, self.costs)
+            for source, prior in self.priors.items():
+                if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
+                    policy.seed(source, prior.alpha, PRIOR_WEIGHT)
             while len(self._policies) > self.max_sessions:
                 self._policies.popitem(last=False)
         self._policies.move_to_end(session_id)
@@ -133,4 +146,4 @@ class Speculation:
 
     def start(self, session_id: str, mode: str, fixed_gamma: int | None) -> RequestSpeculation:
         ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
-        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma)
+        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors)
