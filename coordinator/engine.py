@@ -370,10 +370,21 @@ class Engine:
             propose_timed = lacking <= 2 and stats.cache_misses == misses
         drafts = proposal.draft_tokens
         source = plan.source if drafts else NONE
+        prefetch = None
+        if (plan.source != DRAFT and spec.uses_draft and draft_up and run.calls["draft"] == 0
+                and base - record.draft_held > 2):
+            prefetch = asyncio.ensure_future(self._prefetch_draft(run, params, draft_seed))
         lacking, misses = base - min(record.target_held, base - 1), stats.cache_misses
         t0 = time.perf_counter()
-        verdict = await self._verify(run, drafts, proposal, params, target_seed)
+        try:
+            verdict = await self._verify(run, drafts, proposal, params, target_seed)
+        except BaseException:
+            if prefetch is not None:
+                prefetch.cancel()
+            raise
         verify_s = time.perf_counter() - t0
+        if prefetch is not None and await prefetch:
+            record.draft_held = base
         stats.target_seconds += verify_s
         stats.record_round(len(drafts), verdict.num_accepted, source)
         if source == DRAFT:  # the draft fed d1..dγ-1; those the target accepted are committed
@@ -382,6 +393,18 @@ class Engine:
         # a plain round sends the target its one new token; more is a prefill or a resend
         verified = lacking + len(drafts) if lacking == 1 and stats.cache_misses == misses else 0
         return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified)
+
+    async def _prefetch_draft(self, run: _Run, params: SamplingParams, seed: int) -> bool:
+        """The first round of a request that does not use the draft still sends it the history
+        it lacks (the prompt), alongside the verification: a later draft round then needs no
+        long catch-up. True when the draft now holds the history (its one proposal is dropped)."""
+        try:
+            await self._propose(run, 1, params, seed)
+            return True
+        except (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument) as exc:
+            self.draft_down_until = time.monotonic() + self.config.draft_retry_s
+            log.warning("draft failed (%s); target-only rounds for %.1fs", exc, self.config.draft_retry_s)
+            return False
 
     async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
         sid = run.record.session_id

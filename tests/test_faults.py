@@ -51,9 +51,11 @@ def test_restart_between_requests_keeps_output(models, which, sampling):
 
 
 def test_continuation_appends_and_reuses_caches(llama_cluster):
-    first = llama_cluster.complete(prompt=TURNS[0], max_new_tokens=10, ignore_eos=True)
+    # the draft proposes every round, so it holds all but the last token or two of turn 1
+    draft = dict(proposer=coordinator_pb2.PROPOSER_DRAFT, num_speculative_tokens=3)
+    first = llama_cluster.complete(prompt=TURNS[0], max_new_tokens=10, ignore_eos=True, **draft)
     second = llama_cluster.complete(session_id=first.session_id, prompt=TURNS[1], max_new_tokens=10,
-                                    ignore_eos=True)
+                                    ignore_eos=True, **draft)
     session = llama_cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=first.session_id))
     tokens = list(session.token_ids)
     assert session.requests == 2

@@ -208,3 +208,23 @@ def test_unknown_proposer_is_invalid_argument(llama_cluster):
         llama_cluster.complete(prompt="hi", max_new_tokens=2, proposer=9)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "proposer must be one of auto, draft, ngram, none" in info.value.details()
+
+
+def test_a_skipped_draft_still_gets_the_prompt_in_the_first_round(small_vocab_models, tmp_path):
+    """Once the coordinator has learnt that the draft never pays, auto starts a request without
+    it, but sends it the prompt alongside the first verification, so a later probe of the draft
+    only catches up on the tokens generated since."""
+    target = small_vocab_models["target"]
+    draft = always_wrong_draft(tmp_path / "wrong", tiny.word_tokenizer(12))
+    ids = [5, 5, 5]
+    with Cluster(draft, target, coordinator={"draft_cost_ratio": 0.1}) as cluster:
+        learnt = cluster.complete(token_ids=ids, max_new_tokens=8, ignore_eos=True, proposer=proposer("draft"))
+        assert learnt.stats.accepted_tokens == 0 and learnt.stats.draft_rounds == 2  # the warm-up
+        response = cluster.complete(token_ids=ids, max_new_tokens=40, ignore_eos=True, proposer=proposer("auto"))
+        assert list(response.token_ids) == target_only(target, ids, 40)
+        stats = response.stats
+        # the first round was prompt lookup's warm-up, yet the draft got the prompt then: without
+        # that, its first call (a probe) would have carried the tokens generated before it too
+        assert stats.ngram_rounds > 0 and stats.draft_rounds > 0
+        assert stats.draft_prefill_tokens == len(ids)
+        assert stats.cache_misses == 0
