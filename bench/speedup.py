@@ -1,13 +1,25 @@
-"""Speculative vs target-only decoding: tokens per second by γ.
+"""The speed-up suite: specdec's proposers against target-only and HF transformers' methods.
 
 Usage:
-  python bench/speedup.py                       # the fetched real pair, started here
-  python bench/speedup.py --draft-model D --target-model T [--dtype float32]
-  python bench/speedup.py --address 127.0.0.1:50051   # an already running coordinator
+  python bench/speedup.py                                  # the fetched real pair (specdec models fetch)
+  python bench/speedup.py --draft-model D --target-model T [--dtype bfloat16]
+  python bench/speedup.py --tiny --quick                   # a tiny random pair: a smoke run
 
-Greedy decoding of a few code prompts at each γ (γ = 0 is the target alone through the
-same path). Prints a table, writes JSON and a PNG plot under bench/results/. Speed-ups are
-ratios measured in one run, so the machine's noise cancels out as far as it can.
+Ten chat prompts in five kinds (bench/prompts.py), greedy, --max-new-tokens (default 128)
+each, EOS ignored so every method generates the same number of tokens. Side by side in one
+run, on the same checkpoints, dtype and thread count, prompt by prompt:
+
+  specdec target-only (proposer none) · specdec auto (adaptive γ, per-round source) ·
+  specdec draft model at fixed γ = 1..6 · specdec prompt lookup only (adaptive γ) ·
+  HF generate plain · HF assisted generation with the draft (its default schedule, and a
+  constant γ = 3) · HF prompt lookup (prompt_lookup_num_tokens=10)
+
+The services run as processes on loopback (`specdec up`); the HF methods in this process.
+Rates are decode rates: tokens after the first streamed chunk over the time after it, so
+start-up and prefill cancel out. Per prompt: tokens/s, speed-up over target-only, ratio to the
+best HF method, the draft's α and c and the Leviathan bound for them. A table is printed;
+speedup.json, speedup.txt and speedup.png go to bench/results/. --quick runs one prompt per
+kind and fewer methods.
 """
 
 from __future__ import annotations
@@ -17,124 +29,186 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
+from bench import report  # noqa: E402
+from bench.hf_methods import Timed, methods as hf_methods  # noqa: E402
+from bench.prompts import PROMPTS, QUICK, Prompt  # noqa: E402
 from specdec.cli import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "# Python: read a CSV file and print the sum of the second column\nimport csv\n",
-    "class Stack:\n    \"\"\"A simple stack.\"\"\"\n",
-]
+DRAFT_GAMMAS = (1, 2, 3, 4, 5, 6)
+QUICK_DRAFT_GAMMAS = (2, 4)
 
 
-def start_services(args) -> tuple[str, subprocess.Popen | None]:
-    if args.address:
-        return args.address, None
-    command = [sys.executable, "-m", "specdec.cli", "up", "--port", str(args.port), "--dtype", args.dtype]
-    if args.draft_model:
-        command += ["--draft-model", args.draft_model, "--target-model", args.target_model]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    address = f"127.0.0.1:{args.port}"
-    wait_healthy(address, 900, [proc])
-    return address, proc
+def specdec_methods(quick: bool) -> dict[str, dict]:
+    """name -> the GenerateRequest fields that select it."""
+    pb = coordinator_pb2
+    out = {report.TARGET_ONLY: {"proposer": pb.PROPOSER_NONE},
+           report.AUTO: {"proposer": pb.PROPOSER_AUTO},
+           report.LOOKUP: {"proposer": pb.PROPOSER_NGRAM}}
+    for gamma in QUICK_DRAFT_GAMMAS if quick else DRAFT_GAMMAS:
+        out[f"{report.DRAFT_PREFIX}{gamma}"] = {"proposer": pb.PROPOSER_DRAFT, "num_speculative_tokens": gamma}
+    return out
 
 
-def run(stub, prompt: str, gamma: int, max_new_tokens: int) -> dict:
-    request = coordinator_pb2.CompleteRequest(request=coordinator_pb2.GenerateRequest(
-        prompt=prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=gamma, ignore_eos=True,
-        sampling=common_pb2.SamplingParams(temperature=0.0)))
-    start = time.perf_counter()
-    response = stub.Complete(request, timeout=1800)
-    seconds = time.perf_counter() - start
-    s = response.stats
-    return {"gamma": gamma, "seconds": seconds, "tokens": s.generated_tokens, "rounds": s.rounds,
-            "acceptance_rate": s.acceptance_rate, "tokens_per_round": s.tokens_per_round,
-            "draft_seconds": s.draft_seconds, "target_seconds": s.target_seconds,
-            "coordinator_seconds": s.coordinator_seconds, "token_ids": list(response.token_ids)}
+def run_specdec(stub, ids: list[int], new_tokens: int, fields: dict) -> tuple[Timed, dict]:
+    """One streamed greedy generation; (timings, stats)."""
+    from google.protobuf.json_format import MessageToDict
+
+    request = coordinator_pb2.GenerateRequest(
+        max_new_tokens=new_tokens, ignore_eos=True, sampling=common_pb2.SamplingParams(temperature=0.0),
+        **fields)
+    request.token_ids.ids.extend(ids)
+    timed = Timed([], time.perf_counter())
+    last = None
+    for chunk in stub.Generate(request, timeout=3600):
+        if chunk.token_ids:
+            timed.chunks.append((time.perf_counter(), len(chunk.token_ids)))
+            timed.token_ids.extend(chunk.token_ids)
+        last = chunk
+    timed.ended = time.perf_counter()
+    stats = MessageToDict(last.stats, preserving_proto_field_name=True,
+                          always_print_fields_with_no_presence=True)
+    return timed, stats
+
+
+def record(tries: list[tuple[Timed, dict | None]]) -> dict:
+    """A method's run on one prompt: the median try by decode rate (its stats with it), and
+    every try's rate."""
+    rates = [timed.decode_tokens_per_second for timed, _ in tries]
+    timed, stats = sorted(tries, key=lambda t: t[0].decode_tokens_per_second)[len(tries) // 2]
+    row = {"decode_tps": timed.decode_tokens_per_second, "decode_tps_tries": rates,
+           "total_seconds": timed.total_seconds, "first_token_seconds": timed.first_token_seconds,
+           "tokens": len(timed.token_ids), "token_ids": timed.token_ids,
+           "same_tokens_every_try": all(t.token_ids == timed.token_ids for t, _ in tries)}
+    if stats is not None:
+        row["stats"] = stats
+    return row
+
+
+def model_paths(args) -> tuple[str, str]:
+    if args.tiny:
+        from specdec.tiny import build_pair
+
+        root = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+        draft, target = build_pair(root, "llama", context=4096, layers=4, width=64)
+        return str(draft), str(target)
+    if args.draft_model and args.target_model:
+        return args.draft_model, args.target_model
+    from specdec.models import FetchError, default_pair
+
+    try:
+        pair = default_pair()
+    except FetchError as exc:
+        raise SystemExit(f"bench/speedup.py: {exc} (or give --draft-model/--target-model, or --tiny)")
+    return str(pair["draft"]), str(pair["target"])
+
+
+def start_services(draft: str, target: str, args) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    command = [sys.executable, "-m", "specdec.cli", "up", "--port", str(args.port), "--dtype", args.dtype,
+               "--device", args.device, "--draft-model", draft, "--target-model", target]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
+    wait_healthy(f"127.0.0.1:{args.port}", 900, [proc])
+    return proc
+
+
+def chat_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """The prompt's token ids exactly as the coordinator renders `messages`."""
+    text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in prompt.messages],
+                                         tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default="")
     parser.add_argument("--draft-model", default="")
     parser.add_argument("--target-model", default="")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random pair built here (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="one prompt per kind, fewer methods")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads everywhere (0 = torch's default)")
     parser.add_argument("--port", type=int, default=50071)
-    parser.add_argument("--gammas", default="0,1,2,4,6")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="tries per method and prompt (the median counts)")
+    parser.add_argument("--prompts", default="", help="comma-separated prompt names (default: the suite)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
-    gammas = [int(g) for g in args.gammas.split(",")]
-    address, proc = start_services(args)
-    rows: list[dict] = []
+
+    import torch
+
+    from specdec.runtime.loader import load_model
+
+    args.threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    prompts = list(QUICK if args.quick else PROMPTS)
+    if args.prompts:
+        wanted = args.prompts.split(",")
+        prompts = [p for p in PROMPTS if p.name in wanted]
+    draft_path, target_path = model_paths(args)
+    hf_target = load_model(target_path, args.dtype, args.device)
+    hf_draft = load_model(draft_path, args.dtype, args.device)
+    for loaded in (hf_target, hf_draft):
+        loaded.model.generation_config.eos_token_id = None
+    peers = {} if args.no_hf else hf_methods(hf_draft.model)
+    if args.quick:
+        peers.pop(next((m for m in peers if "γ=" in m), ""), None)
+    ours = specdec_methods(args.quick)
+    method_names = list(ours) + list(peers)
+    proc = start_services(draft_path, target_path, args)
+    results = []
     try:
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{args.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            run(stub, PROMPTS[0], gammas[-1], 8)  # warm-up
-            for prompt in PROMPTS:
-                for gamma in gammas:
-                    row = run(stub, prompt, gamma, args.max_new_tokens)
-                    row["prompt"] = prompt
-                    rows.append(row)
+            warm = chat_ids(hf_target.tokenizer, prompts[0])
+            for fields in ours.values():  # warm-up: caches, allocators, the shared cost model
+                run_specdec(stub, warm, 16, fields)
+            for run in peers.values():
+                run(hf_target.model, warm, 16)
+            for prompt in prompts:
+                ids = chat_ids(hf_target.tokenizer, prompt)
+                tries: dict[str, list] = {name: [] for name in method_names}
+                for _ in range(args.repeats):  # methods interleaved: slow drifts hit them alike
+                    for name, fields in ours.items():
+                        tries[name].append(run_specdec(stub, ids, args.max_new_tokens, fields))
+                    for name, run in peers.items():
+                        tries[name].append((run(hf_target.model, ids, args.max_new_tokens), None))
+                runs = {name: record(tries[name]) for name in method_names}
+                summary = report.analyse_prompt(runs)
+                results.append({"name": prompt.name, "kind": prompt.kind, "prompt_tokens": len(ids),
+                                "summary": summary, "runs": runs})
+                print(f"{prompt.name}: target-only {summary['target_only_tps']:.2f} tok/s, auto "
+                      f"{runs[report.AUTO]['speedup']:.2f}x", flush=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-    summary = []
-    for gamma in gammas:
-        mine = [r for r in rows if r["gamma"] == gamma]
-        tokens = sum(r["tokens"] for r in mine)
-        seconds = sum(r["seconds"] for r in mine)
-        summary.append({"gamma": gamma, "tokens_per_second": tokens / seconds,
-                        "acceptance_rate": sum(r["acceptance_rate"] for r in mine) / len(mine),
-                        "tokens_per_round": tokens / sum(r["rounds"] for r in mine),
-                        "draft_share": sum(r["draft_seconds"] for r in mine) / seconds,
-                        "target_share": sum(r["target_seconds"] for r in mine) / seconds})
-    base = summary[0]["tokens_per_second"] if gammas[0] == 0 else None
-    for r in rows:  # how far each output agrees with the first γ's (bf16/fp16 may drift on near ties)
-        ref = next(b for b in rows if b["gamma"] == gammas[0] and b["prompt"] == r["prompt"])["token_ids"]
-        r["common_prefix"] = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b),
-                                  min(len(r["token_ids"]), len(ref)))
-    identical = all(r["token_ids"] == next(b for b in rows if b["gamma"] == gammas[0] and
-                                           b["prompt"] == r["prompt"])["token_ids"] for r in rows)
-    print(f"{'γ':>3} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/round':>9} {'draft%':>7} {'target%':>8}")
-    for row in summary:
-        speedup = row["tokens_per_second"] / base if base else float("nan")
-        row["speedup"] = speedup
-        print(f"{row['gamma']:>3} {row['tokens_per_second']:>8.2f} {speedup:>8.2f} {row['acceptance_rate']:>7.3f}"
-              f" {row['tokens_per_round']:>9.2f} {100 * row['draft_share']:>6.1f}% {100 * row['target_share']:>7.1f}%")
-    print(f"greedy output identical across γ: {identical} (common prefix with γ={gammas[0]}: "
-          f"{[r['common_prefix'] for r in rows]})")
+        proc.terminate()
+        proc.wait(30)
+    text = report.table(results, method_names)
+    totals = report.overall(results)
+    print(text)
+    print(json.dumps(totals, indent=2, ensure_ascii=False))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"address": address, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-              "summary": summary, "identical_across_gamma": identical,
-              "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}
-    (out / "speedup.json").write_text(json.dumps(result, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["gamma"] for r in summary], [r["speedup"] for r in summary], marker="o")
-        ax.axhline(1.0, color="grey", linestyle="--")
-        ax.set_xlabel("γ (draft tokens per round)")
-        ax.set_ylabel("speed-up over target-only")
-        ax.set_title("specdec greedy speed-up")
-        fig.tight_layout()
-        fig.savefig(out / "speedup.png", dpi=100)
-    except ImportError:
+    document = {"draft_model": draft_path, "target_model": target_path, "dtype": args.dtype,
+                "device": args.device, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+                "repeats": args.repeats,
+                "tiny": args.tiny, "quick": args.quick, "methods": method_names, "overall": totals,
+                "prompts": [{**p, "runs": {m: {k: v for k, v in r.items() if k != "token_ids"}
+                                           for m, r in p["runs"].items()}} for p in results]}
+    (out / "speedup.json").write_text(json.dumps(document, indent=2, ensure_ascii=False))
+    (out / "speedup.txt").write_text(text + "\n" + json.dumps(totals, indent=2, ensure_ascii=False) + "\n")
+    if not report.plot(results, method_names, out / "speedup.png"):
         print("matplotlib not installed: no plot (pip install -e '.[bench]')")
-    print(f"wrote {out / 'speedup.json'}")
+    print(f"wrote {out / 'speedup.json'}, {out / 'speedup.txt'}, {out / 'speedup.png'}")
     return 0
 
 

@@ -15,6 +15,7 @@ from specdec.errors import (
 )
 from specdec.fingerprint import PrefixHashes
 from specdec.logtag import session_tag
+from specdec.metrics import Metrics
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
@@ -22,7 +23,9 @@ from coordinator.chat import render_messages
 from coordinator.clients import release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
 from coordinator.lease_keeper import LeaseKeeper
+from coordinator.policy import DRAFT, NGRAM, NONE
 from coordinator.routing import Routes
+from coordinator.speculation import MODES, Plan, RequestSpeculation, Speculation, one_hot_dists
 from coordinator.stats import GenerationStats
 from coordinator.store import Lease, SessionRecord, SessionStore
 
@@ -50,6 +53,29 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    proposer: str | None = None  # auto | draft | ngram | none; None = the coordinator's default
+
+
+@dataclass(frozen=True)
+class SpeculationMode:
+    """A request's speculation override: the proposer and a fixed γ (None = adaptive)."""
+
+    proposer: str
+    fixed_gamma: int | None
+
+
+@dataclass
+class _RoundResult:
+    """What one round did, for the commit, the stats, the policy and the metrics."""
+
+    plan: Plan
+    verdict: Verdict
+    drafts: list[int]
+    source: str              # who proposed `drafts`: draft | ngram | none (the draft failed)
+    draft_seconds: float     # the Propose call (0 without one)
+    verify_seconds: float
+    propose_timed: bool      # the Propose call was a plain round (no catch-up prefill, no resend)
+    verified_tokens: int     # tokens the Verify forward took (0 when it was not a plain round)
 
 
 @dataclass
@@ -79,7 +105,7 @@ class _Run:
 
 class Engine:
     def __init__(self, config: CoordinatorConfig, store: SessionStore, routes: Routes, tokenizer: Any,
-                 draft_info: ModelDescription, target_info: ModelDescription):
+                 draft_info: ModelDescription, target_info: ModelDescription, metrics: Metrics | None = None):
         self.config = config
         self.store = store
         self.routes = routes  # each session's draft and target replica
@@ -94,11 +120,15 @@ class Engine:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.context_length - 1,
                                      self.context_length - 1)
         self.active = 0  # requests generating now
+        self.metrics = metrics or Metrics("coordinator")
+        self.metrics.watch(active_sessions=lambda: self.active)
+        self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
+                                       config.ngram_max, config.ngram_max_tokens, config.draft_cost_ratio)
 
     # ---- validation -------------------------------------------------------------------------
 
-    def _limits(self, request: GenerationRequest) -> tuple[int, int]:
-        """(max_new_tokens, γ) after defaults, validated."""
+    def _limits(self, request: GenerationRequest) -> tuple[int, SpeculationMode]:
+        """(max_new_tokens, proposer and fixed γ) after defaults, validated."""
         request.params.validate()
         max_new = request.max_new_tokens
         if max_new is None:
@@ -106,16 +136,19 @@ class Engine:
         if not 1 <= max_new <= self.config.max_new_tokens_limit:
             raise InvalidArgument(
                 f"max_new_tokens must be in [1, {self.config.max_new_tokens_limit}], got {max_new}")
-        gamma = request.num_speculative_tokens
-        if gamma is None:
-            gamma = min(self.config.default_num_speculative_tokens, self.max_gamma)
-        if not 0 <= gamma <= self.max_gamma:
+        gamma = request.num_speculative_tokens  # None: adaptive
+        if gamma is not None and not 0 <= gamma <= self.max_gamma:
             raise InvalidArgument(
-                f"num_speculative_tokens must be in [0, {self.max_gamma}] (0 disables speculation), "
-                f"got {gamma}")
+                f"num_speculative_tokens must be in [0, {self.max_gamma}] (0 disables speculation; "
+                f"leave it unset for adaptive γ), got {gamma}")
+        proposer = request.proposer or self.config.default_proposer
+        if proposer not in MODES:
+            raise InvalidArgument(
+                f"proposer must be one of {', '.join(MODES)} (PROPOSER_AUTO, PROPOSER_DRAFT, "
+                f"PROPOSER_NGRAM, PROPOSER_NONE), got {proposer!r}")
         if len(request.stop) > MAX_STOP_STRINGS:
             raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
-        return max_new, gamma
+        return max_new, SpeculationMode(proposer, gamma)
 
     def _encode(self, request: GenerationRequest, continuing: bool) -> list[int]:
         """The request's input as token ids (possibly empty when continuing)."""
@@ -172,7 +205,7 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        max_new, gamma = self._limits(request)
+        max_new, mode = self._limits(request)
         if self.active >= self.config.max_concurrent_generations:
             raise ResourceExhausted(
                 f"{self.active} generations are running, the limit of this coordinator "
@@ -185,7 +218,7 @@ class Engine:
             try:
                 # renewed on a timer, whatever a round takes; lost (taken over) stops the request
                 async with LeaseKeeper(self.store, lease, self.config.session_lease_s / 3) as keeper:
-                    async for chunk in self._run(request, record, lease, added, max_new, gamma):
+                    async for chunk in self._run(request, record, lease, added, max_new, mode):
                         yield chunk
                         if chunk.finish_reason is None:
                             keeper.check()
@@ -207,13 +240,14 @@ class Engine:
             log.info("session %s: could not record the released caches (%s)", session_tag(record.session_id), exc)
 
     async def _run(self, request: GenerationRequest, record: SessionRecord, lease: Lease,
-                   added: list[int], max_new: int, gamma: int) -> AsyncIterator[Chunk]:
+                   added: list[int], max_new: int, mode: SpeculationMode) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
         run = _Run(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids))
         run.commit(added)
         record.requests += 1
         self._forget_other_replicas(record)
         await self.store.save(record, lease)
+        spec = self.speculation.start(record.session_id, mode.proposer, mode.fixed_gamma)
         rng = RequestRng(request.seed)
         detok = IncrementalDetokenizer(self.tokenizer, record.token_ids)
         stops = StopStrings(request.stop)
@@ -227,9 +261,11 @@ class Engine:
                 finish = FINISH_CONTEXT
                 round_tokens: list[int] = []
             else:
-                g = max(0, min(gamma, max_new - len(generated) - 1, room - 1,
-                               self.draft_info.max_context_length - base))
-                verdict, drafts = await self._round(run, g, request.params, rng)
+                round_started = time.perf_counter()
+                cap = max(0, min(self.max_gamma, max_new - len(generated) - 1, room - 1,
+                                 self.draft_info.max_context_length - base))
+                result = await self._round(run, spec, cap, request.params, rng)
+                verdict, drafts = result.verdict, result.drafts
                 round_tokens = []
                 for token in verdict.committed(drafts):
                     round_tokens.append(token)
@@ -250,7 +286,9 @@ class Engine:
                 record.draft_held = min(record.draft_held, len(record.token_ids))
                 record.target_held = min(record.target_held, len(record.token_ids))
                 run.stats.generated_tokens = len(generated)
+                store_started = time.perf_counter()
                 await self.store.save(record, lease)
+                self._observe_round(spec, result, store_started, round_started)
             if finish is None:
                 end = stops.safe_length(text)
             else:
@@ -274,34 +312,91 @@ class Engine:
         """KV held by another replica (or none recorded) is worth nothing here."""
         self.routes.place(record)
 
-    async def _round(self, run: _Run, gamma: int, params: SamplingParams,
-                     rng: RequestRng) -> tuple[Verdict, list[int]]:
-        """One round: γ drafts (none when γ is 0 or the draft is failing), one verification;
-        updates the held lengths."""
+    def _observe_round(self, spec: RequestSpeculation, result: _RoundResult, store_started: float,
+                       round_started: float) -> None:
+        """Feed a finished round to the request's policy and to the metrics."""
+        now = time.perf_counter()
+        proposed, accepted = len(result.drafts), result.verdict.num_accepted
+        propose_s = None
+        if result.source == DRAFT and result.propose_timed:
+            propose_s = result.draft_seconds
+        elif result.source == NGRAM:
+            propose_s = result.plan.propose_seconds
+        spec.observe(result.source, proposed, accepted, propose_seconds=propose_s,
+                     verify_seconds=result.verify_seconds if result.verified_tokens else None,
+                     verified_tokens=result.verified_tokens or proposed + 1)
+        stages = {"verify": result.verify_seconds, "store": now - store_started}
+        if result.plan.source == DRAFT:  # the Propose call, answered or failed
+            stages["draft"] = result.draft_seconds
+        stages["coordinator"] = max(0.0, now - round_started - sum(stages.values()))
+        self.metrics.record_round(result.source if proposed else NONE, proposed, accepted, stages)
+
+    async def _round(self, run: _Run, spec: RequestSpeculation, cap: int, params: SamplingParams,
+                     rng: RequestRng) -> _RoundResult:
+        """One round: plan it (draft model, prompt lookup or none; γ at most `cap`), propose
+        (prompt lookup makes no draft call; a failing draft makes the round target-only), one
+        verification; updates the held lengths. What the draft holds stays as it was when a
+        round does not call it: its next call sends what it lacks."""
         record, stats = run.record, run.stats
         base = len(record.token_ids)
         draft_seed, target_seed = rng.round_seeds()
-        proposal = Proposal([], [])
-        if gamma > 0 and not self.routes.usable("draft"):
+        draft_up = self.routes.usable("draft")
+        if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
-        elif gamma > 0:
+        plan = spec.plan(record.token_ids, cap, draft_up)
+        proposal, draft_s, propose_timed = Proposal([], []), 0.0, False
+        if plan.source == NGRAM:
+            proposal = Proposal(list(plan.tokens), one_hot_dists(plan.tokens))
+        elif plan.source == DRAFT:
+            lacking, misses = base - min(record.draft_held, base - 1), stats.cache_misses
             t0 = time.perf_counter()
             try:
-                proposal = await self._propose(run, gamma, params, draft_seed)
+                proposal = await self._propose(run, plan.gamma, params, draft_seed)
             except (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument) as exc:
                 self.routes.failed("draft", record.draft_address)  # its sessions move
                 stats.fallback_rounds += 1
                 log.warning("draft failed (%s); target-only round", exc)
-            stats.draft_seconds += time.perf_counter() - t0
+            draft_s = time.perf_counter() - t0
+            stats.draft_seconds += draft_s
+            # a plain round sends the draft at most 2 tokens; more is a catch-up prefill
+            propose_timed = lacking <= 2 and stats.cache_misses == misses
         drafts = proposal.draft_tokens
+        source = plan.source if drafts else NONE
+        prefetch = None
+        if (plan.source != DRAFT and spec.uses_draft and draft_up and run.calls["draft"] == 0
+                and base - record.draft_held > 2):
+            prefetch = asyncio.ensure_future(self._prefetch_draft(run, params, draft_seed))
+        lacking, misses = base - min(record.target_held, base - 1), stats.cache_misses
         t0 = time.perf_counter()
-        verdict = await self._verify(run, drafts, proposal, params, target_seed)
-        stats.target_seconds += time.perf_counter() - t0
-        stats.record_round(len(drafts), verdict.num_accepted)
-        if drafts:  # the draft fed d1..dγ-1; those the target accepted are committed
+        try:
+            verdict = await self._verify(run, drafts, proposal, params, target_seed)
+        except BaseException:
+            if prefetch is not None:
+                prefetch.cancel()
+            raise
+        verify_s = time.perf_counter() - t0
+        if prefetch is not None and await prefetch:
+            record.draft_held = base
+        stats.target_seconds += verify_s
+        stats.record_round(len(drafts), verdict.num_accepted, source)
+        if source == DRAFT:  # the draft fed d1..dγ-1; those the target accepted are committed
             record.draft_held = base + min(verdict.num_accepted, len(drafts) - 1)
         record.target_held = base + verdict.num_accepted
-        return verdict, drafts
+        # a plain round sends the target its one new token; more is a prefill or a resend
+        verified = lacking + len(drafts) if lacking == 1 and stats.cache_misses == misses else 0
+        return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified)
+
+    async def _prefetch_draft(self, run: _Run, params: SamplingParams, seed: int) -> bool:
+        """The first round of a request that does not use the draft still sends it the history
+        it lacks (the prompt), alongside the verification: a later draft round then needs no
+        long catch-up. True when the draft now holds the history (its one proposal is dropped)."""
+        try:
+            await self._propose(run, 1, params, seed)
+            return True
+        except (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument) as exc:
+            self.routes.failed("draft", run.record.draft_address)  # its sessions move
+            log.warning("draft failed (%s); target-only round", exc)
+            return False
 
     async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
         sid = run.record.session_id

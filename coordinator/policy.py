@@ -236,6 +236,14 @@ class SessionPolicy:
         """The current acceptance estimate of a source (None before its first observed round)."""
         return self.sources[source].acceptance.alpha
 
+    def seed(self, source: str, alpha: float, weight: float) -> None:
+        """Start a source from a prior α (what other sessions measured) worth `weight` trials,
+        instead of warm-up rounds; the session's own rounds soon outweigh it."""
+        _check_alpha(alpha)
+        estimate = self.sources[source].acceptance
+        estimate.successes, estimate.trials = alpha * weight, float(weight)
+        estimate.rounds = max(estimate.rounds, self.config.warmup_rounds)
+
     def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
                draft_available: bool = True, mode: str = "auto",
                fixed_gamma: int | None = None) -> Choice:

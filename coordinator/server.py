@@ -11,6 +11,8 @@ import grpc
 
 from specdec.config import CoordinatorConfig
 from specdec.errors import SpecdecError, Unavailable
+from specdec.metrics import Metrics, MetricsServer, serve_metrics
+from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.security import (ApiKeyInterceptor, CredentialsError, read_api_key, server_credentials,
                                   upstream_credentials)
 from specdec.rpc.server import build_aio_server
@@ -116,9 +118,12 @@ class RunningCoordinator:
     server: grpc.aio.Server
     port: int
     engine: Engine
+    metrics_server: MetricsServer | None = None
 
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.server.stop(grace)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         await self.engine.store.close()
         await self.engine.routes.close()
 
@@ -191,14 +196,26 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         await store.ping()
     except SpecdecError as exc:  # serve anyway: requests answer UNAVAILABLE until it is back
         log.warning("%s", exc)
-    engine = Engine(config, store, routes, tokenizer, draft_info, target_info)
+    metrics = Metrics("coordinator")
+    try:
+        engine = Engine(config, store, routes, tokenizer, draft_info, target_info, metrics)
+        metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
+    except (ValueError, OSError) as exc:
+        await asyncio.gather(store.close(), routes.close())
+        raise StartupError(str(exc)) from exc
     servicer = CoordinatorServicer(engine)
     if security.api_key and not security.server:
         log.warning("--api-key-file without --tls-cert-file: clients send the API key in clear text")
-    server, port = await build_aio_server(
-        lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), [SERVICE_NAME],
-        config.host, config.port, config.max_message_bytes, security.server, security.interceptors(),
-    )
+    try:
+        server, port = await build_aio_server(
+            lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), [SERVICE_NAME],
+            config.host, config.port, config.max_message_bytes, security.server,
+            [MetricsInterceptor(metrics), *security.interceptors()],
+        )
+    except BaseException:
+        if metrics_server is not None:
+            metrics_server.stop()
+        raise
     log.info("coordinator on %s:%d (%s; %s; %s)", config.host, port, routes.discovery.describe(),
              routes.describe(), security.describe())
-    return RunningCoordinator(server, port, engine)
+    return RunningCoordinator(server, port, engine, metrics_server)

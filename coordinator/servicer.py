@@ -21,6 +21,20 @@ FINISH_TO_PB = {
 }
 
 
+PROPOSER_FROM_PB = {
+    coordinator_pb2.PROPOSER_UNSPECIFIED: None,
+    coordinator_pb2.PROPOSER_AUTO: "auto",
+    coordinator_pb2.PROPOSER_DRAFT: "draft",
+    coordinator_pb2.PROPOSER_NGRAM: "ngram",
+    coordinator_pb2.PROPOSER_NONE: "none",
+}
+
+
+def proposer_from_pb(value: int) -> str | None:
+    """The proposer's name; an unknown enum number stays visible for the engine to refuse."""
+    return PROPOSER_FROM_PB.get(value, f"unknown enum value {value}")
+
+
 def request_from_pb(pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
     which = pb.WhichOneof("input")
     return GenerationRequest(
@@ -34,6 +48,7 @@ def request_from_pb(pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
         num_speculative_tokens=pb.num_speculative_tokens if pb.HasField("num_speculative_tokens") else None,
         stop=tuple(pb.stop),
         ignore_eos=pb.ignore_eos,
+        proposer=proposer_from_pb(pb.proposer),
     )
 
 
@@ -83,6 +98,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except NotFound:
             record = None
         deleted = await self.engine.store.delete(request.session_id)
+        self.engine.speculation.forget(request.session_id)
         if record is not None:
             await self.engine.routes.release(record)
         return coordinator_pb2.DeleteSessionResponse(deleted=deleted)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 
+PER_REQUEST = frozenset({"gamma_per_round"})  # fields that describe one request, never summed
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -21,6 +24,12 @@ class GenerationStats:
     fallback_rounds: int = 0
     target_retries: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    draft_rounds: int = 0           # rounds the draft model proposed
+    ngram_rounds: int = 0           # rounds prompt lookup proposed
+    ngram_draft_tokens: int = 0     # of draft_tokens, proposed by prompt lookup
+    ngram_accepted_tokens: int = 0  # of accepted_tokens, proposed by prompt lookup
+    rounds_by_gamma: list[int] = field(default_factory=list)  # [γ] -> rounds that proposed γ
+    gamma_per_round: list[int] = field(default_factory=list)  # this request only (not cumulated)
 
     @property
     def acceptance_rate(self) -> float:
@@ -30,20 +39,33 @@ class GenerationStats:
     def tokens_per_round(self) -> float:
         return self.generated_tokens / self.rounds if self.rounds else 0.0
 
-    def record_round(self, gamma: int, accepted: int) -> None:
+    def record_round(self, gamma: int, accepted: int, source: str = "draft") -> None:
+        """One round: γ tokens proposed by `source` ("draft", "ngram"; "none" when γ is 0)."""
         self.rounds += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
+        if gamma and source == "ngram":
+            self.ngram_rounds += 1
+            self.ngram_draft_tokens += gamma
+            self.ngram_accepted_tokens += accepted
+        elif gamma:
+            self.draft_rounds += 1
+        if len(self.rounds_by_gamma) <= gamma:
+            self.rounds_by_gamma += [0] * (gamma + 1 - len(self.rounds_by_gamma))
+        self.rounds_by_gamma[gamma] += 1
+        self.gamma_per_round.append(gamma)
         if len(self.accepted_per_position) < accepted:
             self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
     def merged(self, other: "GenerationStats") -> "GenerationStats":
-        """Sum of two stats (for a session's cumulative view)."""
+        """Sum of two stats (for a session's cumulative view; the per-round γ list is left out)."""
         out = GenerationStats()
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in PER_REQUEST:
+                continue
             if isinstance(a, list):
                 n = max(len(a), len(b))
                 setattr(out, f.name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
@@ -66,4 +88,5 @@ class GenerationStats:
     def summary(self) -> str:
         return (f"rounds={self.rounds} generated={self.generated_tokens} drafted={self.draft_tokens} "
                 f"accepted={self.accepted_tokens} acceptance={self.acceptance_rate:.3f} "
-                f"tokens/round={self.tokens_per_round:.2f}")
+                f"tokens/round={self.tokens_per_round:.2f} draft_rounds={self.draft_rounds} "
+                f"ngram_rounds={self.ngram_rounds}")

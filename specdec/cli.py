@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from specdec.config import DTYPES, CoordinatorConfig, DraftConfig, TargetConfig, add_arguments, from_sources
+from specdec.config import (DTYPES, PROPOSERS, CoordinatorConfig, DraftConfig, TargetConfig, add_arguments,
+                            from_sources)
 
 DEFAULT_PORT = 50051
 
@@ -229,6 +230,8 @@ def _generate(args: argparse.Namespace) -> int:
         request.prompt = args.prompt
     if args.gamma is not None:
         request.num_speculative_tokens = args.gamma
+    if args.proposer:
+        request.proposer = coordinator_pb2.Proposer.Value(f"PROPOSER_{args.proposer.upper()}")
     credentials, metadata = _client_security(args)
     text, token_ids, last = [], [], None
     with open_channel(args.address, credentials, args.tls_server_name) as channel:
@@ -328,7 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=env_default("generate", "seed", None),
                      help="random seed (env SPECDEC_GENERATE_SEED)")
     gen.add_argument("--gamma", type=int, default=env_default("generate", "gamma", None),
-                     help="draft tokens per round; 0 = target only (env SPECDEC_GENERATE_GAMMA)")
+                     help="fixed proposed tokens per round; 0 = target only; unset = adaptive "
+                          "(env SPECDEC_GENERATE_GAMMA)")
+    gen.add_argument("--proposer", default=env_default("generate", "proposer", None),
+                     choices=PROPOSERS,
+                     help="where proposed tokens come from: auto (per round, prompt lookup or the draft "
+                          "model), draft, ngram (prompt lookup), none; unset = the coordinator's default "
+                          "(env SPECDEC_GENERATE_PROPOSER)")
     gen.add_argument("--session", default=env_default("generate", "session", ""),
                      help="continue this session (env SPECDEC_GENERATE_SESSION)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+PROPOSERS = ("auto", "draft", "ngram", "none")
 
 C = TypeVar("C")
 
@@ -102,8 +103,19 @@ class CoordinatorConfig(ServerTlsConfig):
                                 "failing the request with UNAVAILABLE")
     default_max_new_tokens: int = opt(128, "max_new_tokens when a request leaves it unset")
     max_new_tokens_limit: int = opt(4096, "largest max_new_tokens a request may ask for")
-    default_num_speculative_tokens: int = opt(4, "γ when a request leaves it unset")
-    max_num_speculative_tokens: int = opt(16, "largest γ a request may ask for")
+    default_num_speculative_tokens: int = opt(4, "γ of the first rounds of adaptive γ (a request that "
+                                              "leaves num_speculative_tokens unset), before acceptance "
+                                              "and costs are measured")
+    max_num_speculative_tokens: int = opt(16, "largest γ a request may ask for, and the most adaptive γ "
+                                          "picks")
+    default_proposer: str = opt("auto", "proposal source when a request leaves proposer unset: auto "
+                                "(per round, prompt lookup or the draft model or none, whichever pays "
+                                "most), draft, ngram (prompt lookup only) or none", PROPOSERS)
+    ngram_max: int = opt(3, "longest n-gram prompt lookup matches against the session's history "
+                         "(it tries n = this .. 1)")
+    ngram_max_tokens: int = opt(16, "most tokens one prompt lookup proposes")
+    draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
+                                  "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")
     rpc_timeout_s: float = opt(60.0, "deadline of each call to the draft / target service")
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")

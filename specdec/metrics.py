@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest, start_http_server
@@ -22,6 +22,7 @@ from prometheus_client.exposition import generate_latest, start_http_server
 SERVICES = ("coordinator", "draft", "target")
 PROPOSERS = ("draft", "ngram", "none")
 STAGES = ("draft", "verify", "store", "coordinator")
+WATCHABLE = ("active_sessions", "cached_sessions", "kv_cache_bytes", "queue_depth")
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
@@ -123,6 +124,14 @@ class Metrics:
     def set_queue_depth(self, depth: int) -> None:
         self.queue_depth.set(depth)
 
+    def watch(self, **gauges: Callable[[], float]) -> None:
+        """Gauges read when /metrics is scraped: `watch(queue_depth=lambda: worker.queue_depth)`
+        (active_sessions, cached_sessions, kv_cache_bytes, queue_depth)."""
+        for name, read in gauges.items():
+            if name not in WATCHABLE:
+                raise ValueError(f"gauge must be one of {', '.join(WATCHABLE)}, got {name!r}")
+            getattr(self, name).set_function(read)
+
     def active(self) -> ContextManager:
         """`with metrics.active():` counts a request in specdec_active_sessions while it runs."""
         return self.active_sessions.track_inprogress()
@@ -137,7 +146,10 @@ class Metrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
         """Serve /metrics on host:port now (port 0 = an ephemeral port: see `.port`)."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise OSError(f"cannot serve /metrics on {host}:{port} (--metrics-port): {exc}") from exc
         return MetricsServer(server, thread)
 
 

@@ -7,6 +7,8 @@ from typing import Sequence
 import grpc
 
 from specdec.config import TargetConfig
+from specdec.metrics import Metrics, serve_metrics
+from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.loader import tokenizer_fingerprint
@@ -33,7 +35,22 @@ def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerIntercepto
                                 lambda call: len(call.new_tokens) + len(call.drafts))
     servicer = TargetServicer(verifier, runner.description, scheduler,
                      lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
+    metrics = Metrics("target")
+    metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
+                  kv_cache_bytes=runner.caches.total_bytes)
+    try:
+        metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
+    except OSError:
+        worker.close()
+        raise
+
+    def stop() -> None:
+        worker.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+
     server, port = start_model_server(config, DEFAULT_PORT, servicer,
                                       target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
-                                      credentials, interceptors, on_stop=worker.close)
+                                      credentials, on_stop=stop,
+                                      interceptors=[*interceptors, MetricsInterceptor(metrics, {"Verify": "verify"})])
     return server, port, servicer

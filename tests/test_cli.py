@@ -32,6 +32,22 @@ def test_generate_json(llama_cluster):
     assert json.loads(more.stdout)["session_id"] == out["session_id"]
 
 
+@pytest.mark.parametrize("proposer", ["none", "ngram", "draft"])
+def test_generate_proposer(llama_cluster, proposer):
+    address = f"127.0.0.1:{llama_cluster.coordinator.port}"
+    prompt = "ab ab ab ab ab"
+    result = run_cli("generate", "--address", address, "--max-new-tokens", "10", "--ignore-eos", "--json",
+                     "--proposer", proposer, prompt)
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)["stats"]
+    expected = llama_cluster.complete(prompt=prompt, max_new_tokens=10, ignore_eos=True, num_speculative_tokens=0)
+    assert json.loads(result.stdout)["token_ids"] == list(expected.token_ids)
+    assert stats["draft_rounds"] == 0 or proposer == "draft"
+    assert stats["ngram_rounds"] == 0 or proposer == "ngram"
+    assert stats["draft_prefill_tokens"] == 0 or proposer == "draft"
+    assert run_cli("generate", "--proposer", "eagle", "x").returncode == 2  # argparse refuses it
+
+
 def test_generate_reports_bad_input(llama_cluster):
     address = f"127.0.0.1:{llama_cluster.coordinator.port}"
     result = run_cli("generate", "--address", address, "--top-p", "2", "hi")

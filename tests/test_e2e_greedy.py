@@ -1,6 +1,7 @@
 """End to end, greedy: speculative output == target.generate(do_sample=False), token for token.
 
-Tiny random models (Llama and GPT-2 configs), float64, real gRPC servers on loopback.
+Tiny random models (Llama and GPT-2 configs), float64, real gRPC servers on loopback. These
+drive the draft model at fixed γ; tests/test_proposers.py covers prompt lookup and adaptive γ.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from specdec.runtime.loader import load_model
+from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 
 PROMPTS = [
@@ -46,7 +48,8 @@ def test_greedy_equals_target_only(models, arch, draft_kind):
         for gamma in GAMMAS:
             for prompt in PROMPTS:
                 response = cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS,
-                                            num_speculative_tokens=gamma, ignore_eos=True)
+                                            num_speculative_tokens=gamma, ignore_eos=True,
+                                            proposer=coordinator_pb2.PROPOSER_DRAFT)
                 assert list(response.token_ids) == expected[prompt], (arch, draft_kind, gamma, prompt)
                 stats = response.stats
                 assert stats.generated_tokens == NEW_TOKENS

@@ -17,6 +17,7 @@ import torch
 from specdec.runtime.loader import load_model
 from specdec.sampling import target_probs
 from specdec.types import SamplingParams
+from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_sampling import chi2_pvalue
 
@@ -24,14 +25,15 @@ PROMPT_IDS = [3, 7, 5]
 SAMPLES = 1000
 
 
-def exact_first_two(target_dir: str, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def exact_first_two(target_dir: str, params: SamplingParams,
+                    prompt: list[int] = PROMPT_IDS) -> tuple[np.ndarray, np.ndarray]:
     """P(token 1) and P(token 2) = Σ_t P(t) P(token 2 | t) under the warp."""
     model = load_model(target_dir, "float64").model
     with torch.inference_mode():
-        first_logits = model(torch.tensor([PROMPT_IDS])).logits[0, -1:]  # [1, vocab]
+        first_logits = model(torch.tensor([prompt])).logits[0, -1:]  # [1, vocab]
         p1 = target_probs(first_logits, params)[0].double()
         vocab = p1.shape[0]
-        contexts = torch.tensor([PROMPT_IDS + [t] for t in range(vocab)])  # [vocab, len+1]
+        contexts = torch.tensor([prompt + [t] for t in range(vocab)])  # [vocab, len+1]
         second_logits = model(contexts).logits[:, -1]  # [vocab, vocab]
         p2_given = target_probs(second_logits, params).double()
     return p1.numpy(), (p1[:, None] * p2_given).sum(0).numpy()
@@ -66,6 +68,44 @@ def test_first_two_tokens_follow_target_distribution(small_vocab_models, small_c
         accepted += response.stats.accepted_tokens
     # the draft is a different model: some drafts are rejected, some accepted
     assert 0 < accepted < 2 * SAMPLES
+    for counts, probs in ((counts1, p1), (counts2, p2)):
+        support = probs > 1e-9
+        assert counts[~support].sum() == 0, "a token outside the warped support was produced"
+        assert chi2_pvalue(counts[support], probs[support]) > 1e-3, (counts, probs * SAMPLES)
+
+
+REPEATING_IDS = [3, 7, 5, 3, 7]  # prompt lookup proposes 5, 3 (what followed the earlier 3, 7)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.7, top_k=4),
+], ids=["t0.7", "t0.7-topk4"])
+def test_prompt_lookup_samples_follow_target_distribution(small_vocab_models, params):
+    """Prompt lookup's proposals are deterministic (one-hot q): still exactly the target's
+    distribution. No draft model call is made."""
+    p1, p2 = exact_first_two(small_vocab_models["target"], params, REPEATING_IDS)
+    vocab = len(p1)
+    counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
+    proposed = accepted = 0
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"]) as cluster:
+        for seed in range(SAMPLES):
+            response = cluster.complete(token_ids=REPEATING_IDS, max_new_tokens=3, num_speculative_tokens=2,
+                                        proposer=coordinator_pb2.PROPOSER_NGRAM,
+                                        temperature=params.temperature, top_k=params.top_k or None,
+                                        seed=seed, ignore_eos=True)
+            first, second = response.token_ids[:2]
+            counts1[first] += 1
+            counts2[second] += 1
+            stats = response.stats
+            assert stats.draft_rounds == 0 and stats.draft_prefill_tokens == 0
+            proposed += stats.ngram_draft_tokens
+            accepted += stats.ngram_accepted_tokens
+    assert proposed >= SAMPLES  # every request's first round was a lookup
+    if p1[5] > 0:
+        assert 0 < accepted < proposed  # lookups were accepted and rejected
+    else:  # the looked-up token is outside the top-k: always rejected, recovered from p
+        assert accepted == 0
     for counts, probs in ((counts1, p1), (counts2, p2)):
         support = probs > 1e-9
         assert counts[~support].sum() == 0, "a token outside the warped support was produced"

@@ -11,13 +11,15 @@ TURNS = ["def fibonacci(n):", "\n# and now the loop\nfor i in range(3):"]
 
 
 def run_session(cluster: Cluster, restart=None, **sampling):
-    """Two requests of one session; optionally restart a service between them."""
+    """Two requests of one session; optionally restart a service between them. The draft model
+    proposes every round (prompt-lookup rounds would leave the draft more to catch up on)."""
+    draft = coordinator_pb2.PROPOSER_DRAFT
     first = cluster.complete(prompt=TURNS[0], max_new_tokens=20, num_speculative_tokens=3,
-                             ignore_eos=True, **sampling)
+                             ignore_eos=True, proposer=draft, **sampling)
     if restart:
         restart()
     second = cluster.complete(session_id=first.session_id, prompt=TURNS[1], max_new_tokens=20,
-                              num_speculative_tokens=3, ignore_eos=True, **sampling)
+                              num_speculative_tokens=3, ignore_eos=True, proposer=draft, **sampling)
     return first, second
 
 
@@ -49,9 +51,11 @@ def test_restart_between_requests_keeps_output(models, which, sampling):
 
 
 def test_continuation_appends_and_reuses_caches(llama_cluster):
-    first = llama_cluster.complete(prompt=TURNS[0], max_new_tokens=10, ignore_eos=True)
+    # the draft proposes every round, so it holds all but the last token or two of turn 1
+    draft = dict(proposer=coordinator_pb2.PROPOSER_DRAFT, num_speculative_tokens=3)
+    first = llama_cluster.complete(prompt=TURNS[0], max_new_tokens=10, ignore_eos=True, **draft)
     second = llama_cluster.complete(session_id=first.session_id, prompt=TURNS[1], max_new_tokens=10,
-                                    ignore_eos=True)
+                                    ignore_eos=True, **draft)
     session = llama_cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=first.session_id))
     tokens = list(session.token_ids)
     assert session.requests == 2

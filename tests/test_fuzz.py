@@ -51,6 +51,8 @@ def generate_requests(draw, known_sessions):
         request.max_new_tokens = draw(st.one_of(int32, st.integers(0, 20)))
     if draw(st.booleans()):
         request.num_speculative_tokens = draw(st.one_of(int32, st.integers(-1, 18)))
+    if draw(st.booleans()):
+        request.proposer = draw(st.one_of(st.integers(0, 4), int32))  # unknown numbers included
     request.stop.extend(draw(st.lists(texts, max_size=3)))
     request.ignore_eos = draw(st.booleans())
     return request

@@ -238,3 +238,39 @@ def test_distribution_test_can_fail():
     for _ in range(5000):
         counts[int(torch.multinomial(q[0], 1, generator=generator))] += 1  # "always accept"
     assert chi2_pvalue(counts, p[0].numpy()) < 1e-6
+
+
+# ---- one-hot proposals (prompt lookup) -------------------------------------------------------
+
+@pytest.mark.parametrize("params, drafts", [
+    (SamplingParams(temperature=1.0), [4, 5]),            # likely drafts
+    (SamplingParams(temperature=0.7, top_k=3), [5, 0]),   # a first draft outside the top-k
+    (SamplingParams(temperature=0.9, top_p=0.8), [0, 1]),  # an unlikely first draft
+], ids=["t1", "t0.7-topk3", "t0.9-topp0.8"])
+def test_one_hot_proposals_keep_the_target_distribution(params, drafts):
+    """Deterministic drafts (q one-hot): accept d with probability p(d), else recover from p with
+    d removed — the emitted tokens follow p whatever the drafts are."""
+    gen = torch.Generator().manual_seed(321)
+    p = target_probs(torch.randn(3, 6, generator=gen) * 0.7, params)  # [γ+1, vocab]
+    q = _one_hot(drafts, 6)  # [γ, vocab]
+    draws = 20_000
+    first, second = _emitted_distribution(p, q, draws, gamma=2, seed=4)
+    support = (p[0] > 0).numpy()
+    assert first[~support].sum() == 0
+    assert chi2_pvalue(first[support], p[0].numpy()[support]) > 1e-3, (first, p[0] * draws)
+    # the second token is emitted after an accepted first draft (probability p(d1))
+    assert second.sum() == first[drafts[0]]
+    support1 = (p[1] > 0).numpy()
+    assert second[~support1].sum() == 0
+    if second.sum() > 1000 and support1.sum() > 1:
+        assert chi2_pvalue(second[support1], p[1].numpy()[support1]) > 1e-3, (second, p[1] * second.sum())
+
+
+def test_one_hot_draft_accept_probability_is_p_of_the_draft():
+    p = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+    verdict = accept_sampled([1], DraftQ.from_dense(_one_hot([1], 3), [1]), p, make_generator(0))
+    assert verdict.accept_probs == [pytest.approx(0.6)]
+    rejected = [accept_sampled([1], DraftQ.from_dense(_one_hot([1], 3), [1]), p, make_generator(s))
+                for s in range(200)]
+    recovered = [v.next_token for v in rejected if v.num_accepted == 0]
+    assert recovered and 1 not in recovered  # recovered from p with the draft removed

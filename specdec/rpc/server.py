@@ -95,8 +95,8 @@ class BackgroundServer:
 
 def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str,
                        credentials: grpc.ServerCredentials | None = None,
-                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                       on_stop: Callable[[], None] | None = None) -> tuple[BackgroundServer, int]:
+                       on_stop: Callable[[], None] | None = None,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[BackgroundServer, int]:
     """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"{service_name}-grpc", daemon=True)

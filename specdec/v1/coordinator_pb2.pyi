@@ -1,11 +1,25 @@
 from specdec.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSER_UNSPECIFIED: _ClassVar[Proposer]
+    PROPOSER_AUTO: _ClassVar[Proposer]
+    PROPOSER_DRAFT: _ClassVar[Proposer]
+    PROPOSER_NGRAM: _ClassVar[Proposer]
+    PROPOSER_NONE: _ClassVar[Proposer]
+PROPOSER_UNSPECIFIED: Proposer
+PROPOSER_AUTO: Proposer
+PROPOSER_DRAFT: Proposer
+PROPOSER_NGRAM: Proposer
+PROPOSER_NONE: Proposer
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -28,7 +42,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "token_ids", "messages", "sampling", "max_new_tokens", "num_speculative_tokens", "stop", "ignore_eos")
+    __slots__ = ("session_id", "prompt", "token_ids", "messages", "sampling", "max_new_tokens", "num_speculative_tokens", "stop", "ignore_eos", "proposer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +52,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     token_ids: TokenIds
@@ -47,7 +62,8 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    proposer: Proposer
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "text", "token_ids", "finish_reason", "stats")

@@ -1,0 +1,149 @@
+"""Each round's plan: which source proposes (draft model, prompt lookup, none) and how many tokens.
+
+`Speculation` is one per coordinator: the round-cost model shared by all sessions, the
+acceptance per source over all sessions (a new session starts from it rather than spending
+warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acceptance
+estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
+`RequestSpeculation`, which holds the request's override (proposer, fixed γ) and an n-gram
+proposer indexing the session's history incrementally.
+
+A round: ``plan = spec.plan(history, cap, draft_available)``; an n-gram plan carries its
+tokens (the proposal distribution of each is one-hot: `one_hot_dists`); after verification,
+``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specdec.types import SparseDist
+
+from coordinator.ngram import NgramProposer
+from coordinator.policy import (DRAFT, NGRAM, NONE, SOURCES, AcceptanceEstimate, CostModel, PolicyConfig,
+                                SessionPolicy)
+
+MODES = ("auto", DRAFT, NGRAM, NONE)
+MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
+PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
+PRIOR_WEIGHT = 3.0   # a new session starts from that α worth this many trials
+
+
+class FixedCosts(CostModel):
+    """Leviathan's cost model with a given c: a round of γ draft tokens costs 1 + c·γ
+    plain-decode steps, prompt lookup and verification nothing extra. Timings are ignored,
+    so the choices depend only on acceptance (reproducible)."""
+
+    def __init__(self, cost_ratio: float) -> None:
+        super().__init__()
+        self.cost_ratio = cost_ratio
+
+    def relative_costs(self, source: str, max_gamma: int) -> list[float]:
+        c = self.cost_ratio if source == DRAFT else 0.0
+        return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's (ngram only)."""
+
+    source: str                 # "draft" | "ngram" | "none"
+    gamma: int
+    tokens: list[int] = field(default_factory=list)
+    reason: str = ""
+    propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
+
+
+def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
+    """The proposal distribution of deterministic drafts: q(d) = 1. The acceptance step then
+    accepts d with probability p(d) and recovers from p with d removed: lossless."""
+    return [SparseDist((int(token),), (1.0,)) for token in tokens]
+
+
+class RequestSpeculation:
+    """One request's planner: its override, the session's policy and an n-gram index."""
+
+    def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: str,
+                 fixed_gamma: int | None, priors: dict[str, AcceptanceEstimate] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
+        self.priors = priors if priors is not None else {}
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether this request may call the draft model at all."""
+        return self.mode in ("auto", DRAFT) and self.fixed_gamma != 0
+
+    def plan(self, history: Sequence[int], cap: int, draft_available: bool) -> Plan:
+        """The next round's source and γ (at most `cap`: tokens left, context room, limits)."""
+        t0 = time.perf_counter()
+        candidates: list[int] = []
+        if self.mode in ("auto", NGRAM) and cap > 0 and self.fixed_gamma != 0:
+            candidates = self.ngram.propose(history, cap)
+        choice = self.policy.choose(max_gamma=cap, ngram_available=len(candidates),
+                                    draft_available=draft_available, mode=self.mode,
+                                    fixed_gamma=self.fixed_gamma)
+        if choice.source == NGRAM:
+            return Plan(NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
+                        time.perf_counter() - t0)
+        return Plan(choice.source, choice.gamma, [], choice.reason)
+
+    def observe(self, source: str, proposed: int, accepted: int, *,
+                propose_seconds: float | None, verify_seconds: float | None,
+                verified_tokens: int) -> None:
+        """After a round: `source` proposed `proposed` tokens (0 when it fell back to plain
+        decoding), `accepted` of them kept. A time of None leaves the round out of the timings
+        (a catch-up prefill, a resend after a cache miss)."""
+        if proposed == 0:
+            source = NONE
+        self.policy.observe(source, proposed, accepted, propose_seconds=propose_seconds,
+                            verify_seconds=verify_seconds, verified_tokens=verified_tokens)
+        if source == NGRAM:
+            self.ngram.observe(proposed, accepted)
+        if source in self.priors:
+            self.priors[source].observe(proposed, accepted)
+
+
+class Speculation:
+    """One per coordinator: the shared round costs and the sessions' policies."""
+
+    def __init__(self, max_gamma: int, default_gamma: int, ngram_max: int, ngram_max_tokens: int,
+                 cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES) -> None:
+        if ngram_max < 1 or ngram_max_tokens < 1:
+            raise ValueError(f"need ngram_max >= 1 and ngram_max_tokens >= 1, got {ngram_max}, "
+                             f"{ngram_max_tokens}")
+        if cost_ratio < 0:
+            raise ValueError(f"draft cost ratio must be >= 0 (0 = measure), got {cost_ratio}")
+        self.config = PolicyConfig(max_gamma=max_gamma, default_gamma=max(1, min(default_gamma, max_gamma)),
+                                   probe_gamma=max(1, min(2, max_gamma)))
+        self.costs = FixedCosts(cost_ratio) if cost_ratio > 0 else CostModel(
+            self.config.timing_decay, self.config.default_cost_ratio)
+        self.ngram_max, self.ngram_max_tokens = ngram_max, ngram_max_tokens
+        self.max_sessions = max_sessions
+        self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
+        # α per source over all sessions: a new session starts from it instead of warming up
+        self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
+
+    def policy(self, session_id: str) -> SessionPolicy:
+        """The session's policy (a fresh one for a session not seen, or forgotten; it starts from
+        the coordinator-wide α of the sources that have one)."""
+        policy = self._policies.get(session_id)
+        if policy is None:
+            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs)
+            for source, prior in self.priors.items():
+                if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
+                    policy.seed(source, prior.alpha, PRIOR_WEIGHT)
+            while len(self._policies) > self.max_sessions:
+                self._policies.popitem(last=False)
+        self._policies.move_to_end(session_id)
+        return policy
+
+    def forget(self, session_id: str) -> None:
+        self._policies.pop(session_id, None)
+
+    def start(self, session_id: str, mode: str, fixed_gamma: int | None) -> RequestSpeculation:
+        ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
+        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors)

@@ -1,0 +1,127 @@
+"""The three services' /metrics endpoints, scraped over HTTP around real generations: the
+counters move exactly as the returned stats say."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+
+from specdec.v1 import coordinator_pb2
+from tests.cluster import Cluster, _free_port
+from tests.test_metrics import scrape, value
+
+
+@pytest.fixture(scope="module")
+def metered(small_vocab_models):
+    ports = {name: _free_port() for name in ("coordinator", "draft", "target")}
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
+                 coordinator={"metrics_port": ports["coordinator"]},
+                 draft={"metrics_port": ports["draft"]},
+                 target={"metrics_port": ports["target"]}) as cluster:
+        yield cluster, ports
+
+
+def scrape_all(ports: dict) -> dict:
+    return {name: scrape(port) for name, port in ports.items()}
+
+
+def moved(before: dict, after: dict, service: str, name: str, **labels) -> float:
+    return value(after[service], name, **labels) - value(before[service], name, **labels)
+
+
+def test_counters_move_with_the_returned_stats(metered):
+    cluster, ports = metered
+    before = scrape_all(ports)
+    response = cluster.complete(token_ids=[3, 7, 5, 3, 7, 5, 3, 7], max_new_tokens=48, ignore_eos=True,
+                                proposer=coordinator_pb2.PROPOSER_AUTO)
+    after = scrape_all(ports)
+    stats = response.stats
+    assert stats.draft_rounds > 0 and stats.ngram_rounds > 0  # both proposers took part
+
+    def coordinator(name: str, **labels) -> float:
+        return moved(before, after, "coordinator", name, **labels)
+
+    draft_tokens = stats.draft_tokens - stats.ngram_draft_tokens
+    draft_accepted = stats.accepted_tokens - stats.ngram_accepted_tokens
+    assert coordinator("specdec_num_drafts_total", proposer="draft") == stats.draft_rounds
+    assert coordinator("specdec_num_drafts_total", proposer="ngram") == stats.ngram_rounds
+    assert coordinator("specdec_num_draft_tokens_total", proposer="draft") == draft_tokens
+    assert coordinator("specdec_num_draft_tokens_total", proposer="ngram") == stats.ngram_draft_tokens
+    assert coordinator("specdec_num_accepted_tokens_total", proposer="draft") == draft_accepted
+    assert coordinator("specdec_num_accepted_tokens_total", proposer="ngram") == stats.ngram_accepted_tokens
+    per_position = [sum(coordinator("specdec_num_accepted_tokens_per_pos_total", proposer=p, position=str(i))
+                        for p in ("draft", "ngram"))
+                    for i in range(len(stats.accepted_per_position))]
+    assert per_position == list(stats.accepted_per_position)
+    rounds = sum(coordinator("specdec_num_speculative_tokens_count", proposer=p)
+                 for p in ("draft", "ngram", "none"))
+    assert rounds == stats.rounds
+    assert coordinator("specdec_num_speculative_tokens_count", proposer="none") == stats.rounds_by_gamma[0]
+    assert sum(coordinator("specdec_num_speculative_tokens_sum", proposer=p)
+               for p in ("draft", "ngram")) == stats.draft_tokens
+    # every round commits accepted + 1 tokens; all of them count here (no stop, EOS ignored)
+    assert sum(coordinator("specdec_tokens_per_round_sum", proposer=p)
+               for p in ("draft", "ngram", "none")) == stats.generated_tokens
+    for stage in ("verify", "store", "coordinator"):
+        assert coordinator("specdec_round_latency_seconds_count", stage=stage) == stats.rounds
+    assert coordinator("specdec_round_latency_seconds_count", stage="draft") == stats.draft_rounds
+    assert coordinator("specdec_requests_total", method="Complete", code="OK") == 1
+    assert value(after["coordinator"], "specdec_active_sessions") == 0
+
+    # the draft was called once per draft round, the target once per round
+    assert moved(before, after, "draft", "specdec_requests_total", method="Propose", code="OK") \
+        == stats.draft_rounds
+    assert moved(before, after, "draft", "specdec_round_latency_seconds_count", stage="draft") \
+        == stats.draft_rounds
+    assert moved(before, after, "target", "specdec_requests_total", method="Verify", code="OK") == stats.rounds
+    assert moved(before, after, "target", "specdec_round_latency_seconds_count", stage="verify") \
+        == stats.rounds
+    for service in ("draft", "target"):
+        assert value(after[service], "specdec_cached_sessions") >= 1
+        assert value(after[service], "specdec_kv_cache_bytes") > 0
+        assert value(after[service], "specdec_queue_depth") == 0
+        info = [labels for (name, labels), _ in after[service].items() if name == "specdec_service_info"]
+        assert dict(info[0])["service"] == service
+
+
+def test_prompt_lookup_makes_no_draft_call_and_errors_count_by_code(metered):
+    cluster, ports = metered
+    before = scrape_all(ports)
+    response = cluster.complete(token_ids=[1, 2, 9, 4, 1, 2, 9], max_new_tokens=32, ignore_eos=True,
+                                proposer=coordinator_pb2.PROPOSER_NGRAM)
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.complete(token_ids=[1, 2], max_new_tokens=0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError):
+        cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="no-such-session"), timeout=10)
+    after = scrape_all(ports)
+    assert response.stats.ngram_rounds > 0 and response.stats.ngram_accepted_tokens > 0
+    assert moved(before, after, "draft", "specdec_requests_total", method="Propose", code="OK") == 0
+    assert moved(before, after, "coordinator", "specdec_num_drafts_total", proposer="draft") == 0
+    assert moved(before, after, "coordinator", "specdec_num_accepted_tokens_total", proposer="ngram") \
+        == response.stats.ngram_accepted_tokens
+    assert moved(before, after, "target", "specdec_requests_total", method="Verify", code="OK") \
+        == response.stats.rounds
+    assert moved(before, after, "coordinator", "specdec_requests_total", method="Complete",
+                 code="INVALID_ARGUMENT") == 1
+    assert moved(before, after, "coordinator", "specdec_requests_total", method="GetSession",
+                 code="NOT_FOUND") == 1
+    assert moved(before, after, "coordinator", "specdec_requests_total", method="Complete", code="OK") == 1
+
+
+def test_streamed_generation_counts_once_and_health_is_not_counted(metered):
+    cluster, ports = metered
+    before = scrape_all(ports)
+    chunks = cluster.stream(token_ids=[3, 7, 5], max_new_tokens=6, ignore_eos=True)
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health_pb2_grpc.HealthStub(cluster.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    after = scrape_all(ports)
+    assert chunks[-1].stats.generated_tokens == 6
+    assert moved(before, after, "coordinator", "specdec_requests_total", method="Generate", code="OK") == 1
+    assert not [key for key in after["coordinator"] if key[0] == "specdec_requests_total"
+                and dict(key[1]).get("method") == "Check"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['coordinator']}/metrics", timeout=5) as page:
+        assert page.headers["Content-Type"].startswith("text/plain")

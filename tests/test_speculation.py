@@ -1,0 +1,81 @@
+"""The per-round planner on hand-built histories: proposer overrides, prompt-lookup plans with
+one-hot proposals, coordinator-wide priors, the fixed cost ratio and the policy LRU."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.speculation import FixedCosts, Speculation, one_hot_dists
+from specdec.types import SparseDist
+
+HISTORY = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # the suffix 5 6 7 occurred before, followed by 8 1 2
+
+
+def speculation(**kwargs) -> Speculation:
+    return Speculation(max_gamma=8, default_gamma=4, ngram_max=3, ngram_max_tokens=8, **kwargs)
+
+
+def test_one_hot_dists():
+    assert one_hot_dists([4, 9]) == [SparseDist((4,), (1.0,)), SparseDist((9,), (1.0,))]
+
+
+def test_ngram_plan_carries_the_looked_up_tokens():
+    spec = speculation().start("s", "ngram", None)
+    plan = spec.plan(HISTORY, cap=3, draft_available=True)
+    assert (plan.source, plan.gamma, plan.tokens, plan.reason) == ("ngram", 3, [8, 1, 2], "warmup")
+    # no match: nothing to propose, plain decoding
+    assert spec.plan([1, 2, 3], cap=3, draft_available=True).source == "none"
+
+
+def test_overrides():
+    spec = speculation()
+    assert spec.start("a", "none", None).plan(HISTORY, 8, True).source == "none"
+    assert spec.start("b", "auto", 0).plan(HISTORY, 8, True).gamma == 0
+    fixed = spec.start("c", "draft", 5).plan(HISTORY, 8, True)
+    assert (fixed.source, fixed.gamma, fixed.tokens) == ("draft", 5, [])
+    assert spec.start("d", "draft", 5).plan(HISTORY, 2, True).gamma == 2  # the round's cap wins
+    assert spec.start("e", "draft", None).plan(HISTORY, 8, False).source == "none"  # draft down
+    assert spec.start("f", "ngram", 2).plan(HISTORY, 8, True).tokens == [8, 1]
+    assert not spec.start("g", "ngram", None).uses_draft and spec.start("h", "auto", None).uses_draft
+    with pytest.raises(ValueError):
+        spec.start("i", "eagle", None)
+
+
+def test_new_sessions_start_from_the_coordinator_wide_alpha():
+    spec = speculation(cost_ratio=0.1)
+    first = spec.start("first", "draft", None)
+    for _ in range(6):  # a draft that is always wrong
+        plan = first.plan(HISTORY, 8, True)
+        first.observe(plan.source, plan.gamma, 0, propose_seconds=None, verify_seconds=None,
+                      verified_tokens=plan.gamma + 1)
+    assert spec.priors["draft"].alpha == 0.0
+    later = spec.start("later", "draft", None).plan(HISTORY, 8, True)
+    assert (later.source, later.reason) == ("none", "best")  # no warm-up rounds spent on it
+    # a continued session keeps its own policy
+    assert spec.policy("first") is first.policy
+
+
+def test_fixed_costs_are_leviathans():
+    costs = FixedCosts(0.25)
+    assert costs.relative_costs("draft", 3) == [1.0, 1.25, 1.5, 1.75]
+    assert costs.relative_costs("ngram", 2) == [1.0, 1.0, 1.0]
+    costs.observe_verify(4, 10.0)  # timings change nothing
+    assert costs.relative_cost("draft", 2) == 1.5
+
+
+def test_policies_are_bounded_and_forgettable():
+    spec = speculation(max_sessions=2)
+    a = spec.policy("a")
+    spec.policy("b")
+    spec.policy("c")
+    assert spec.policy("a") is not a  # evicted, least recently used
+    b = spec.policy("b")
+    spec.forget("b")
+    assert spec.policy("b") is not b
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError):
+        speculation(cost_ratio=-1.0)
+    with pytest.raises(ValueError):
+        Speculation(max_gamma=8, default_gamma=4, ngram_max=0, ngram_max_tokens=8)
