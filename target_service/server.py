@@ -7,10 +7,9 @@ from typing import Sequence
 import grpc
 
 from specdec.config import TargetConfig
-from specdec.metrics import Metrics, serve_metrics
-from specdec.rpc.metrics_interceptor import MetricsInterceptor
+from specdec.rpc.model_server import serve_model
 from specdec.rpc.security import server_credentials
-from specdec.rpc.server import BackgroundServer, start_model_server
+from specdec.rpc.server import BackgroundServer
 from specdec.runtime.loader import tokenizer_fingerprint
 from specdec.runtime.runner import runner_from_config
 from specdec.runtime.scheduler import batch_scheduler
@@ -34,23 +33,8 @@ def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerIntercepto
     scheduler = batch_scheduler(config, worker, verifier.verify_batch,
                                 lambda call: len(call.new_tokens) + len(call.drafts))
     servicer = TargetServicer(verifier, runner.description, scheduler,
-                     lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
-    metrics = Metrics("target")
-    metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
-                  kv_cache_bytes=runner.caches.total_bytes)
-    try:
-        metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
-    except OSError:
-        worker.close()
-        raise
-
-    def stop() -> None:
-        worker.close()
-        if metrics_server is not None:
-            metrics_server.stop()
-
-    server, port = start_model_server(config, DEFAULT_PORT, servicer,
-                                      target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
-                                      credentials, on_stop=stop,
-                                      interceptors=[*interceptors, MetricsInterceptor(metrics, {"Verify": "verify"})])
+                              lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
+    server, port = serve_model(config, "target", DEFAULT_PORT, servicer,
+                               target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, runner, worker,
+                               credentials, interceptors, {"Verify": "verify"})
     return server, port, servicer

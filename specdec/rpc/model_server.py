@@ -1,0 +1,38 @@
+"""Serve a draft or target servicer: its metrics endpoint, interceptors and shutdown, in one place."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import grpc
+
+from specdec.metrics import Metrics, serve_metrics
+from specdec.rpc.metrics_interceptor import MetricsInterceptor
+from specdec.rpc.server import BackgroundServer, start_model_server
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.worker import ModelWorker
+
+
+def serve_model(config, kind: str, default_port: int, servicer, add_to_server, service_name: str,
+                runner: ModelRunner, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
+                interceptors: Sequence[grpc.aio.ServerInterceptor], timed: dict[str, str]
+                ) -> tuple[BackgroundServer, int]:
+    """Start the server with Prometheus metrics on --metrics-port (when set); `timed` maps the
+    methods whose latency is recorded to their stage. Stopping the server stops the worker and
+    the metrics endpoint."""
+    metrics = Metrics(kind)
+    metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
+                  kv_cache_bytes=runner.caches.total_bytes)
+    try:
+        metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
+    except OSError:
+        worker.close()
+        raise
+
+    def stop() -> None:
+        worker.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+
+    return start_model_server(config, default_port, servicer, add_to_server, service_name, credentials,
+                              on_stop=stop, interceptors=[*interceptors, MetricsInterceptor(metrics, timed)])
