@@ -78,6 +78,10 @@ def test_counters_move_with_the_returned_stats(metered):
     assert moved(before, after, "target", "specdec_requests_total", method="Verify", code="OK") == stats.rounds
     assert moved(before, after, "target", "specdec_round_latency_seconds_count", stage="verify") \
         == stats.rounds
+    # one request alone: every batch holds one call (one per verification, one per draft round)
+    assert moved(before, after, "target", "specdec_batch_size_count") == stats.rounds
+    assert moved(before, after, "target", "specdec_batch_size_sum") == stats.rounds
+    assert moved(before, after, "draft", "specdec_batch_size_count") >= stats.draft_rounds
     for service in ("draft", "target"):
         assert value(after[service], "specdec_cached_sessions") >= 1
         assert value(after[service], "specdec_kv_cache_bytes") > 0

@@ -21,6 +21,7 @@ def serve_model(config, kind: str, default_port: int, servicer, add_to_server, s
     methods whose latency is recorded to their stage. Stopping the server stops the worker and
     the metrics endpoint."""
     metrics = Metrics(kind)
+    servicer.scheduler.on_batch = metrics.observe_batch
     metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
                   kv_cache_bytes=runner.caches.total_bytes)
     try:

@@ -55,6 +55,7 @@ class BatchScheduler(Generic[C, R]):
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.batch_wait_s = max(0.0, batch_wait_s)
         self.batch_sizes: Counter[int] = Counter()  # batches run, by number of calls
+        self.on_batch: Callable[[int], None] | None = None  # told each batch's size (metrics)
         self._waiting: deque[_Waiting] = deque()
         self._recent: dict[str, int] = {}  # session -> number of the last batch it ran in
         self._batches = 0
@@ -189,6 +190,8 @@ class BatchScheduler(Generic[C, R]):
 
     def _run(self, batch: list[_Waiting]) -> None:
         self.batch_sizes[len(batch)] += 1
+        if self.on_batch is not None:
+            self.on_batch(len(batch))
         with self._lock:
             self._batches += 1
             for item in batch:
