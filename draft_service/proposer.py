@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -44,20 +44,6 @@ class _Drafting:
         self.dists.append(dist)
 
 
-class Proposer(Protocol):
-    """What the draft service serves. Rollback is implicit: a call's prefix_len says how
-    much of the previous proposal the target accepted (prefix_len < cached length)."""
-
-    def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], gamma: int,
-             params: SamplingParams, seed: int) -> ProposeCall: ...
-
-    def propose(self, call: ProposeCall) -> Proposal: ...
-
-    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal | Exception]: ...
-
-    def release(self, session_id: str) -> bool: ...
-
-
 class ModelProposer:
     """A small causal LM proposes autoregressively from its top-K truncated distribution."""
 
@@ -93,13 +79,6 @@ class ModelProposer:
                 row_ids, row_probs = ids[row][keep], probs[row][keep]  # [K']
                 token = int(row_ids[torch.multinomial(row_probs, 1, generator=live[i].generator)].item())
                 live[i].add(token, SparseDist(tuple(row_ids.tolist()), tuple(row_probs.tolist())))
-
-    def propose(self, call: ProposeCall) -> Proposal:
-        """One call alone (a batch of one)."""
-        result = self.propose_batch([call])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
 
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal | Exception]:
         """Run on the model worker: roll each session back and append its new tokens in ONE

@@ -52,13 +52,6 @@ class Verifier:
             draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size, runner.device)
         return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed)
 
-    def verify(self, call: VerifyCall) -> Verdict:
-        """One call alone (a batch of one)."""
-        result = self.verify_batch([call])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[Verdict | Exception]:
         """Run on the model worker: roll each session back, ONE forward over every row's new
         tokens + drafts, then each row's acceptance step with its own generator; crop each
