@@ -67,15 +67,16 @@ class DraftClient(ServiceClient):
         return model_info_from_pb(response.info)
 
     async def propose(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
-                      gamma: int, params: SamplingParams, seed: int, timeout_s: float | None = None) -> Proposal:
+                      gamma: int, params: SamplingParams, seed: int, timeout_s: float | None = None,
+                      hints: list[int] | None = None) -> Proposal:
         """Fails fast (no waiting for a connection): a missing draft makes the round target-only."""
         request = draft_pb2.ProposeRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
-            num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed,
+            num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed, hint_tokens=hints,
         )
         response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False)
         return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
-                        response.cached_len)
+                        response.cached_len, response.num_hint_tokens_kept)
 
     async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
         request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)

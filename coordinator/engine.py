@@ -76,6 +76,7 @@ class _RoundResult:
     verify_seconds: float
     propose_timed: bool      # the Propose call was a plain round (no catch-up prefill, no resend)
     verified_tokens: int     # tokens the Verify forward took (0 when it was not a plain round)
+    hints_kept: int = 0      # leading drafts that are prompt-lookup hints the draft model kept
 
 
 @dataclass
@@ -123,7 +124,8 @@ class Engine:
         self.metrics = metrics or Metrics("coordinator")
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
-                                       config.ngram_max, config.ngram_max_tokens, config.draft_cost_ratio)
+                                       config.ngram_max, config.ngram_max_tokens, config.draft_cost_ratio,
+                                       draft_hints=config.draft_hints)
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -324,7 +326,7 @@ class Engine:
             propose_s = result.plan.propose_seconds
         spec.observe(result.source, proposed, accepted, propose_seconds=propose_s,
                      verify_seconds=result.verify_seconds if result.verified_tokens else None,
-                     verified_tokens=result.verified_tokens or proposed + 1)
+                     verified_tokens=result.verified_tokens or proposed + 1, hints_kept=result.hints_kept)
         stages = {"verify": result.verify_seconds, "store": now - store_started}
         if result.plan.source == DRAFT:  # the Propose call, answered or failed
             stages["draft"] = result.draft_seconds
@@ -351,7 +353,7 @@ class Engine:
             lacking, misses = base - min(record.draft_held, base - 1), stats.cache_misses
             t0 = time.perf_counter()
             try:
-                proposal = await self._propose(run, plan.gamma, params, draft_seed)
+                proposal = await self._propose(run, plan.gamma, params, draft_seed, plan.tokens)
             except (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument) as exc:
                 self.routes.failed("draft", record.draft_address)  # its sessions move
                 stats.fallback_rounds += 1
@@ -378,13 +380,14 @@ class Engine:
         if prefetch is not None and await prefetch:
             record.draft_held = base
         stats.target_seconds += verify_s
-        stats.record_round(len(drafts), verdict.num_accepted, source)
+        stats.record_round(len(drafts), verdict.num_accepted, source, proposal.hints_kept)
         if source == DRAFT:  # the draft fed d1..dγ-1; those the target accepted are committed
             record.draft_held = base + min(verdict.num_accepted, len(drafts) - 1)
         record.target_held = base + verdict.num_accepted
         # a plain round sends the target its one new token; more is a prefill or a resend
         verified = lacking + len(drafts) if lacking == 1 and stats.cache_misses == misses else 0
-        return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified)
+        return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified,
+                            proposal.hints_kept)
 
     async def _prefetch_draft(self, run: _Run, params: SamplingParams, seed: int) -> bool:
         """The first round of a request that does not use the draft still sends it the history
@@ -398,11 +401,12 @@ class Engine:
             log.warning("draft failed (%s); target-only round", exc)
             return False
 
-    async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int) -> Proposal:
+    async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int,
+                       hints: list[int] | None = None) -> Proposal:
         sid = run.record.session_id
         return await self._with_resend(run, "draft", lambda draft, prefix, new_tokens: draft.propose(
             sid, prefix, run.hashes.at(prefix), new_tokens, gamma, params, seed,
-            timeout_s=self.config.draft_timeout_s))
+            timeout_s=self.config.draft_timeout_s, hints=hints))
 
     async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
                       seed: int) -> Verdict:

@@ -3,8 +3,10 @@
 A model-free proposal source (transformers' ``prompt_lookup_num_tokens``, vLLM's n-gram
 proposer). For a history ``t[0:L]`` it finds the longest n in ``max_ngram .. min_ngram`` whose
 suffix ``t[L-n:L]`` also occurs earlier in the history, takes the most recent such earlier
-occurrence ``t[p-n:p]`` (``p <= L - 1``) and proposes ``t[p:p+γ]`` — fewer tokens when the
-history ends first, none when nothing matches.
+occurrence ``t[p-n:p]`` (``p <= L - 1``) and proposes ``t[p:p+γ]``, none when nothing matches.
+A copy that reaches the end of the history goes on copying what it proposes (LZ77's
+overlapping copy: a period-(L − p) repetition continues), so a match close to the end — a
+loop, a repeated line — still proposes γ tokens.
 
 It runs where the tokens are (the coordinator) and costs no model call. The index is
 incremental: one dict per n maps an n-gram to the position right after its most recent
@@ -58,11 +60,16 @@ class NgramIndex:
         return 0, -1
 
     def lookup(self, gamma: int) -> list[int]:
-        """Up to γ tokens that followed the latest earlier occurrence of the longest suffix."""
-        if gamma <= 0:
-            return []
+        """γ tokens that followed the latest earlier occurrence of the longest suffix (the copy
+        running on into its own output past the end of the history); [] without a match."""
         _, p = self.match()
-        return self.tokens[p:p + gamma] if p >= 0 else []
+        if gamma <= 0 or p < 0:
+            return []
+        out = self.tokens[p:p + gamma]
+        period = len(self.tokens) - p
+        while len(out) < gamma:  # past the end: the copy repeats with period L - p
+            out.append(out[len(out) - period])
+        return out
 
 
 def _key(tokens: list[int], end: int, n: int) -> Hashable:
@@ -117,7 +124,7 @@ class NgramProposer:
             self.index.feed(history[known:])
 
     def propose(self, history: Sequence[int], gamma: int) -> list[int]:
-        """Up to min(γ, max_tokens) tokens continuing `history`; [] when no suffix matches."""
+        """min(γ, max_tokens) tokens continuing `history`; [] when no suffix matches."""
         self.sync(history)
         return self.index.lookup(min(gamma, self.max_tokens))
 

@@ -270,18 +270,21 @@ class SessionPolicy:
 
     def observe(self, source: str, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
-                verified_tokens: int | None = None) -> None:
+                verified_tokens: int | None = None, trials: bool = True) -> None:
         """After a round: what was proposed and accepted, and (optionally) how long it took.
 
         verified_tokens: the tokens the target's forward pass took (default proposed + 1).
         Pass None as a time to leave a round out of the timings (a resend after a cache miss).
+        trials=False: the proposals were never tried (the round ended before them), so α is
+        left as it was; the timings still count.
         """
         if source not in (*SOURCES, NONE):
             raise ValueError(f"source must be draft, ngram or none, got {source!r}")
         if not 0 <= accepted <= proposed:
             raise ValueError(f"need 0 <= accepted <= proposed, got {accepted}, {proposed}")
         if source in SOURCES and proposed > 0:
-            self.sources[source].acceptance.observe(proposed, accepted)
+            if trials:
+                self.sources[source].acceptance.observe(proposed, accepted)
             if propose_seconds is not None:
                 self.costs.observe_propose(source, proposed, propose_seconds)
         tokens = proposed + 1 if verified_tokens is None else verified_tokens

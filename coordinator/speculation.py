@@ -8,8 +8,10 @@ estimates per source), kept in a bounded LRU so a continued session keeps what i
 proposer indexing the session's history incrementally.
 
 A round: ``plan = spec.plan(history, cap, draft_available)``; an n-gram plan carries its
-tokens (the proposal distribution of each is one-hot: `one_hot_dists`); after verification,
-``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
+tokens (the proposal distribution of each is one-hot: `one_hot_dists`); under `auto` a
+draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
+forward and keeps where it agrees (so γ draft steps may propose more than γ tokens); after
+verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class Plan:
     """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's (ngram only)."""
 
     source: str                 # "draft" | "ngram" | "none"
-    gamma: int
-    tokens: list[int] = field(default_factory=list)
+    gamma: int                  # tokens to propose (draft: its steps; kept hints come on top)
+    tokens: list[int] = field(default_factory=list)  # ngram: the proposal; draft: the hints
     reason: str = ""
     propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
 
@@ -66,11 +68,13 @@ class RequestSpeculation:
     """One request's planner: its override, the session's policy and an n-gram index."""
 
     def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: str,
-                 fixed_gamma: int | None, priors: dict[str, AcceptanceEstimate] | None = None) -> None:
+                 fixed_gamma: int | None, priors: dict[str, AcceptanceEstimate] | None = None,
+                 draft_hints: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
+        self.draft_hints = draft_hints and mode == "auto"
 
     @property
     def uses_draft(self) -> bool:
@@ -89,29 +93,37 @@ class RequestSpeculation:
         if choice.source == NGRAM:
             return Plan(NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
                         time.perf_counter() - t0)
+        if choice.source == DRAFT and self.draft_hints:
+            return Plan(DRAFT, choice.gamma, candidates[:max(0, cap - choice.gamma)], choice.reason)
         return Plan(choice.source, choice.gamma, [], choice.reason)
 
     def observe(self, source: str, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
-                verified_tokens: int) -> None:
+                verified_tokens: int, hints_kept: int = 0) -> None:
         """After a round: `source` proposed `proposed` tokens (0 when it fell back to plain
-        decoding), `accepted` of them kept. A time of None leaves the round out of the timings
-        (a catch-up prefill, a resend after a cache miss)."""
+        decoding), `accepted` of them kept; a draft round's first `hints_kept` were hints it
+        kept. A time of None leaves the round out of the timings (a catch-up prefill, a resend
+        after a cache miss).
+
+        The draft's α and step cost are about its own tokens: the kept hints are left out of
+        both (its own tokens were tried only when the target accepted every kept hint)."""
         if proposed == 0:
             source = NONE
-        self.policy.observe(source, proposed, accepted, propose_seconds=propose_seconds,
-                            verify_seconds=verify_seconds, verified_tokens=verified_tokens)
+        own, own_accepted = proposed - hints_kept, accepted - hints_kept
+        tried = own_accepted >= 0
+        self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
+                            verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried)
         if source == NGRAM:
             self.ngram.observe(proposed, accepted)
-        if source in self.priors:
-            self.priors[source].observe(proposed, accepted)
+        if source in self.priors and tried:
+            self.priors[source].observe(own, own_accepted)
 
 
 class Speculation:
     """One per coordinator: the shared round costs and the sessions' policies."""
 
     def __init__(self, max_gamma: int, default_gamma: int, ngram_max: int, ngram_max_tokens: int,
-                 cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES) -> None:
+                 cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True) -> None:
         if ngram_max < 1 or ngram_max_tokens < 1:
             raise ValueError(f"need ngram_max >= 1 and ngram_max_tokens >= 1, got {ngram_max}, "
                              f"{ngram_max_tokens}")
@@ -122,7 +134,7 @@ class Speculation:
         self.costs = FixedCosts(cost_ratio) if cost_ratio > 0 else CostModel(
             self.config.timing_decay, self.config.default_cost_ratio)
         self.ngram_max, self.ngram_max_tokens = ngram_max, ngram_max_tokens
-        self.max_sessions = max_sessions
+        self.max_sessions, self.draft_hints = max_sessions, draft_hints
         self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
         # α per source over all sessions: a new session starts from it instead of warming up
         self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
@@ -146,4 +158,5 @@ class Speculation:
 
     def start(self, session_id: str, mode: str, fixed_gamma: int | None) -> RequestSpeculation:
         ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
-        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors)
+        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
+                                  self.draft_hints)

@@ -28,6 +28,8 @@ class GenerationStats:
     ngram_rounds: int = 0           # rounds prompt lookup proposed
     ngram_draft_tokens: int = 0     # of draft_tokens, proposed by prompt lookup
     ngram_accepted_tokens: int = 0  # of accepted_tokens, proposed by prompt lookup
+    draft_hint_tokens: int = 0      # of a draft round's tokens, prompt-lookup hints the draft kept
+    draft_hint_accepted_tokens: int = 0  # of those, accepted by the target
     rounds_by_gamma: list[int] = field(default_factory=list)  # [γ] -> rounds that proposed γ
     gamma_per_round: list[int] = field(default_factory=list)  # this request only (not cumulated)
 
@@ -39,8 +41,9 @@ class GenerationStats:
     def tokens_per_round(self) -> float:
         return self.generated_tokens / self.rounds if self.rounds else 0.0
 
-    def record_round(self, gamma: int, accepted: int, source: str = "draft") -> None:
-        """One round: γ tokens proposed by `source` ("draft", "ngram"; "none" when γ is 0)."""
+    def record_round(self, gamma: int, accepted: int, source: str = "draft", hints_kept: int = 0) -> None:
+        """One round: γ tokens proposed by `source` ("draft", "ngram"; "none" when γ is 0), the
+        first `hints_kept` of a draft round being prompt-lookup hints the draft model kept."""
         self.rounds += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
@@ -50,6 +53,8 @@ class GenerationStats:
             self.ngram_accepted_tokens += accepted
         elif gamma:
             self.draft_rounds += 1
+            self.draft_hint_tokens += hints_kept
+            self.draft_hint_accepted_tokens += min(hints_kept, accepted)
         if len(self.rounds_by_gamma) <= gamma:
             self.rounds_by_gamma += [0] * (gamma + 1 - len(self.rounds_by_gamma))
         self.rounds_by_gamma[gamma] += 1

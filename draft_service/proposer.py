@@ -1,4 +1,12 @@
-"""Proposers: return γ draft tokens and the distribution each was sampled from."""
+"""Proposers: return γ draft tokens and the distribution each was sampled from.
+
+Hints (prompt lookup's candidates, sent by the coordinator) ride along in a call's first
+forward: the draft checks them like a target checks drafts, against its own proposal
+distribution q — greedy: a hint is kept while it is q's argmax; sampled: kept with probability
+q(hint), else replaced by a draw from q without the hint, so every proposed token is still
+exactly a draw from the q reported with it and the target's acceptance step stays lossless.
+The kept hints cost no draft step: a round of γ steps proposes γ + (hints kept) tokens.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ class ProposeCall:
     gamma: int
     params: SamplingParams
     seed: int
+    hints: tuple[int, ...] = ()  # candidate tokens checked in the first forward (may be empty)
 
 
 @dataclass
@@ -38,6 +47,12 @@ class _Drafting:
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     dists: list[SparseDist] = field(default_factory=list)
+    hints_kept: int = 0  # leading tokens that are hints the draft agreed with
+
+    @property
+    def done(self) -> bool:
+        """γ steps drafted: each step proposes one token of its own, the kept hints come free."""
+        return len(self.tokens) >= self.call.gamma + self.hints_kept
 
     def add(self, token: int, dist: SparseDist) -> None:
         self.tokens.append(token)
@@ -52,13 +67,49 @@ class ModelProposer:
         self.proposal_top_k = proposal_top_k
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], gamma: int,
-             params: SamplingParams, seed: int) -> ProposeCall:
+             params: SamplingParams, seed: int, hints: Sequence[int] = ()) -> ProposeCall:
         """Validate a request without touching any cache."""
         limit = self.runner.description.max_speculative_tokens
         if not 1 <= gamma <= limit:
             raise InvalidArgument(f"num_speculative_tokens must be in [1, {limit}], got {gamma}")
-        self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1)
-        return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed)
+        if gamma + len(hints) > limit:
+            raise InvalidArgument(f"num_speculative_tokens + hint_tokens must be at most {limit} (the "
+                                  f"most draft tokens a call may return), got {gamma} + {len(hints)}")
+        self.runner.check_token_ids(hints, "hint_tokens")
+        self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1 + len(hints))
+        return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed, tuple(hints))
+
+    def _check_hints(self, drafting: _Drafting, logits: torch.Tensor) -> None:
+        """The first step of a call with hints: logits [hints + 1, vocab], row i the draft's
+        distribution after the first i hints. Keeps the leading hints the draft agrees with and
+        adds its own token after them; the cache then holds the kept hints only."""
+        hints, params, generator = drafting.call.hints, drafting.call.params, drafting.generator
+        if params.greedy:
+            argmax = logits.argmax(dim=-1).tolist()  # [hints + 1]
+            kept = next((i for i, hint in enumerate(hints) if argmax[i] != hint), len(hints))
+            for i in range(kept):
+                drafting.add(hints[i], SparseDist((hints[i],), (1.0,)))
+            drafting.add(argmax[kept], SparseDist((argmax[kept],), (1.0,)))
+        else:
+            ids, probs = proposal_top_k(logits, params, self.proposal_top_k)  # [hints + 1, K]
+            kept = len(hints)
+            for i in range(len(hints) + 1):
+                keep = probs[i] > 0
+                row_ids, row_probs = ids[i][keep], probs[i][keep]  # [K']
+                dist = SparseDist(tuple(row_ids.tolist()), tuple(row_probs.tolist()))
+                if i < len(hints):
+                    is_hint = row_ids == hints[i]
+                    q_hint = float(row_probs[is_hint].sum())
+                    if float(torch.rand((), generator=generator)) < q_hint:
+                        drafting.add(hints[i], dist)
+                        continue
+                    kept, row_probs = i, row_probs.masked_fill(is_hint, 0.0)  # q without the hint
+                token = int(row_ids[torch.multinomial(row_probs, 1, generator=generator)].item())
+                drafting.add(token, dist)
+                break
+        drafting.hints_kept = kept
+        if not drafting.entry.crop(len(drafting.entry) - (len(hints) - kept)):  # drop the rejected hints
+            self.runner.caches.discard(drafting.call.session_id, drafting.entry)  # next call: a miss
 
     def _draw_all(self, live: Sequence[_Drafting], logits: Sequence[torch.Tensor]) -> None:
         """One drafted token for every call: per call its token and the sparse q it was drawn
@@ -96,7 +147,7 @@ class ModelProposer:
                 results[index] = exc
                 continue
             live.append(_Drafting(index, call, entry, make_generator(call.seed, runner.device)))
-            rows.append(Row(call.session_id, entry, feed, 1))
+            rows.append(Row(call.session_id, entry, [*feed, *call.hints], 1 + len(call.hints)))
         while live:
             try:
                 logits = runner.forward_batch(rows)  # per row [1, vocab]
@@ -105,17 +156,22 @@ class ModelProposer:
                     results[drafting.index] = exc
                 break
             try:
-                self._draw_all(live, logits)
+                hinted = [i for i, row in enumerate(rows) if row.keep_logits > 1]
+                for i in hinted:
+                    self._check_hints(live[i], logits[i])
+                plain = [i for i in range(len(live)) if rows[i].keep_logits == 1]
+                self._draw_all([live[i] for i in plain], [logits[i] for i in plain])
             except Exception as exc:  # noqa: BLE001 - a bug: the calls drafting now fail with it
                 for drafting in live:
                     results[drafting.index] = exc
                 break
             still: list[_Drafting] = []
             for drafting in live:
-                if len(drafting.tokens) < drafting.call.gamma:
+                if not drafting.done:
                     still.append(drafting)
                 else:
-                    results[drafting.index] = Proposal(drafting.tokens, drafting.dists, len(drafting.entry))
+                    results[drafting.index] = Proposal(drafting.tokens, drafting.dists, len(drafting.entry),
+                                                       drafting.hints_kept)
             live = still
             rows = [Row(d.call.session_id, d.entry, d.tokens[-1:], 1) for d in live]
         runner.finish([call.session_id for call in calls])

@@ -33,12 +33,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         call = self.proposer.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
+            list(request.hint_tokens),
         )
         proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline_of(context))
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             draft_probs=[dist_to_pb(d) for d in proposal.draft_probs],
             cached_len=proposal.cached_len,
+            num_hint_tokens_kept=proposal.hints_kept,
         )
 
     @map_errors

@@ -114,6 +114,8 @@ class CoordinatorConfig(ServerTlsConfig):
     ngram_max: int = opt(3, "longest n-gram prompt lookup matches against the session's history "
                          "(it tries n = this .. 1)")
     ngram_max_tokens: int = opt(16, "most tokens one prompt lookup proposes")
+    draft_hints: bool = opt(True, "under proposer auto, send prompt lookup's tokens with a draft-model "
+                            "round as hints: the draft keeps those it agrees with at no extra step")
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")

@@ -51,6 +51,7 @@ class Proposal:
     draft_tokens: list[int]
     draft_probs: list[SparseDist]
     cached_len: int = 0
+    hints_kept: int = 0  # leading draft tokens that are hints the draft agreed with
 
 
 @dataclass(frozen=True)

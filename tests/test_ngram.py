@@ -13,7 +13,8 @@ from coordinator.ngram import NgramIndex, NgramProposer
 
 
 def brute_force(history, gamma, max_ngram, min_ngram=1):
-    """Rescan: longest suffix n-gram with an earlier occurrence, the latest one, its continuation."""
+    """Rescan: longest suffix n-gram with an earlier occurrence, the latest one, its continuation
+    (copied token by token, so a copy reaching the end goes on copying its own output)."""
     length = len(history)
     for n in range(max_ngram, min_ngram - 1, -1):
         if n > length - 1:
@@ -21,7 +22,10 @@ def brute_force(history, gamma, max_ngram, min_ngram=1):
         suffix = list(history[length - n:])
         for start in range(length - n - 1, -1, -1):
             if list(history[start:start + n]) == suffix:
-                return list(history[start + n:start + n + gamma])
+                text = list(history)
+                for i in range(gamma):
+                    text.append(text[start + n + i])
+                return text[length:]
     return []
 
 
@@ -46,15 +50,17 @@ def test_no_match_no_proposal():
     assert NgramProposer().propose([7], 4) == []
     # min_ngram=2: a unigram match alone does not count
     assert NgramProposer(max_ngram=3, min_ngram=2).propose([5, 1, 6, 1], 4) == []
-    assert NgramProposer(max_ngram=3, min_ngram=1).propose([5, 1, 6, 1], 4) == [6, 1]
+    assert NgramProposer(max_ngram=3, min_ngram=1).propose([5, 1, 6, 1], 4) == [6, 1, 6, 1]
 
 
-def test_match_at_the_end_cuts_the_continuation_short():
-    # the latest earlier occurrence of (3, 4) ends right before the suffix: one token follows
+def test_match_at_the_end_copies_on_into_its_own_output():
+    # the latest earlier occurrence of (3, 4) ends right before the suffix: the history ends
+    # after 2 tokens of its continuation, and the copy goes on with what it proposed (period 2)
     history = [1, 3, 4, 3, 4]
-    assert NgramProposer(max_ngram=2).propose(history, 5) == [3, 4]
-    assert NgramProposer(max_ngram=3).propose([6, 6, 6], 5) == [6]
-    assert NgramProposer(max_ngram=2).propose([6, 6, 6, 6], 5) == [6]  # latest: 1..2
+    assert NgramProposer(max_ngram=2).propose(history, 5) == [3, 4, 3, 4, 3]
+    assert NgramProposer(max_ngram=3).propose([6, 6, 6], 5) == [6] * 5
+    assert NgramProposer(max_ngram=2).propose([6, 6, 6, 6], 5) == [6] * 5  # latest: 1..2
+    assert NgramProposer(max_ngram=2).propose([9, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]  # period 3
 
 
 def test_gamma_and_max_tokens_limit():

@@ -20,7 +20,7 @@ class DraftServiceGetModelInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash")
+    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash", "hint_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class ProposeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    HINT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -35,17 +36,20 @@ class ProposeRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     seed: int
     prefix_hash: int
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ...) -> None: ...
+    hint_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., hint_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_tokens", "draft_probs", "cached_len")
+    __slots__ = ("draft_tokens", "draft_probs", "cached_len", "num_hint_tokens_kept")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_HINT_TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     cached_len: int
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ...) -> None: ...
+    num_hint_tokens_kept: int
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., num_hint_tokens_kept: _Optional[int] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
