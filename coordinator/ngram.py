@@ -62,14 +62,18 @@ class NgramIndex:
     def lookup(self, gamma: int) -> list[int]:
         """γ tokens that followed the latest earlier occurrence of the longest suffix (the copy
         running on into its own output past the end of the history); [] without a match."""
-        _, p = self.match()
+        return self.lookup_with_order(gamma)[1]
+
+    def lookup_with_order(self, gamma: int) -> tuple[int, list[int]]:
+        """(n, tokens): `lookup` and the length n of the suffix it matched (0: no match)."""
+        n, p = self.match()
         if gamma <= 0 or p < 0:
-            return []
+            return 0, []
         out = self.tokens[p:p + gamma]
         period = len(self.tokens) - p
         while len(out) < gamma:  # past the end: the copy repeats with period L - p
             out.append(out[len(out) - period])
-        return out
+        return n, out
 
 
 def _key(tokens: list[int], end: int, n: int) -> Hashable:
@@ -109,6 +113,7 @@ class NgramProposer:
         self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
         self.index = NgramIndex(max_ngram, min_ngram)
         self.stats = NgramStats()
+        self.last_order = 0  # n of the suffix the last proposal matched (0: none)
 
     def feed(self, new_tokens: Sequence[int]) -> None:
         """Append tokens to the indexed history (when the caller tracks the increments itself)."""
@@ -126,7 +131,8 @@ class NgramProposer:
     def propose(self, history: Sequence[int], gamma: int) -> list[int]:
         """min(γ, max_tokens) tokens continuing `history`; [] when no suffix matches."""
         self.sync(history)
-        return self.index.lookup(min(gamma, self.max_tokens))
+        self.last_order, tokens = self.index.lookup_with_order(min(gamma, self.max_tokens))
+        return tokens
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """Feedback after verification: how many of the proposed tokens the target accepted."""

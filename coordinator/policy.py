@@ -15,6 +15,11 @@ estimate of α (exponentially forgetting per-position accept/reject trials), and
 sessions), and each round picks the source and γ with the largest speedup — or no speculation
 ("none", γ = 0) when nothing beats plain decoding.
 
+Prompt lookup's α also depends on how long a suffix it matched: a 3-token match inside a
+copied passage is right far more often than a 1-token match in new text. So its α is kept per
+match length n as well, and a round uses the estimate for the n it matched once that has
+`order_min_trials` trials (until then the source's overall α).
+
 Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
 `default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
 `probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
@@ -196,6 +201,7 @@ class PolicyConfig:
     min_gain: float = 0.0              # speculation must beat plain decoding by this fraction
     max_timed_tokens: int = 0          # verify timings over more tokens (a prefill, a resend)
     #                                    are not round costs and are skipped; 0 = max_gamma + 1
+    order_min_trials: float = 3.0      # trials before prompt lookup's α for a match length is used
 
 
 @dataclass(frozen=True)
@@ -231,10 +237,25 @@ class SessionPolicy:
             self.costs = CostModel(c.timing_decay, c.default_cost_ratio)
         self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), c.probe_interval)
                         for s in SOURCES}
+        self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
 
     def alpha(self, source: str) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round)."""
         return self.sources[source].acceptance.alpha
+
+    def ngram_alpha(self, order: int = 0) -> float | None:
+        """Prompt lookup's α for a match of `order` tokens: that length's own estimate once it
+        has enough trials, else the source's overall α."""
+        estimate = self.ngram_orders.get(order)
+        if estimate is not None and estimate.trials >= self.config.order_min_trials:
+            return estimate.alpha
+        return self.alpha(NGRAM)
+
+    def seed_order(self, order: int, alpha: float, weight: float) -> None:
+        """Start prompt lookup's α for a match length from a prior (see `seed`)."""
+        _check_alpha(alpha)
+        estimate = self.ngram_orders.setdefault(order, AcceptanceEstimate(self.config.alpha_decay))
+        estimate.successes, estimate.trials = alpha * weight, float(weight)
 
     def seed(self, source: str, alpha: float, weight: float) -> None:
         """Start a source from a prior α (what other sessions measured) worth `weight` trials,
@@ -246,11 +267,12 @@ class SessionPolicy:
 
     def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
                draft_available: bool = True, mode: str = "auto",
-               fixed_gamma: int | None = None) -> Choice:
+               fixed_gamma: int | None = None, ngram_order: int = 0) -> Choice:
         """The source and γ of the next round.
 
         max_gamma: this round's cap (tokens left, context room, the services' limits);
         ngram_available: how many tokens the n-gram proposer has for this round;
+        ngram_order: the length of the suffix it matched (0: unknown);
         draft_available: False while the draft tier is failing;
         mode / fixed_gamma: the request's override (fixed source and / or fixed γ).
         """
@@ -266,17 +288,17 @@ class SessionPolicy:
             return self._chose(caps, Choice(NONE, 0, "unavailable"))
         if fixed_gamma is not None and mode != "auto":
             return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
-        return self._chose(caps, self._explore(caps, fixed_gamma) or self._best(caps, fixed_gamma))
+        return self._chose(caps, self._explore(caps, fixed_gamma) or self._best(caps, fixed_gamma, ngram_order))
 
     def observe(self, source: str, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
-                verified_tokens: int | None = None, trials: bool = True) -> None:
+                verified_tokens: int | None = None, trials: bool = True, ngram_order: int = 0) -> None:
         """After a round: what was proposed and accepted, and (optionally) how long it took.
 
         verified_tokens: the tokens the target's forward pass took (default proposed + 1).
         Pass None as a time to leave a round out of the timings (a resend after a cache miss).
         trials=False: the proposals were never tried (the round ended before them), so α is
-        left as it was; the timings still count.
+        left as it was; the timings still count. ngram_order: a prompt-lookup round's match length.
         """
         if source not in (*SOURCES, NONE):
             raise ValueError(f"source must be draft, ngram or none, got {source!r}")
@@ -285,6 +307,9 @@ class SessionPolicy:
         if source in SOURCES and proposed > 0:
             if trials:
                 self.sources[source].acceptance.observe(proposed, accepted)
+            if trials and source == NGRAM and ngram_order > 0:
+                self.ngram_orders.setdefault(ngram_order, AcceptanceEstimate(self.config.alpha_decay)).observe(
+                    proposed, accepted)
             if propose_seconds is not None:
                 self.costs.observe_propose(source, proposed, propose_seconds)
         tokens = proposed + 1 if verified_tokens is None else verified_tokens
@@ -315,12 +340,12 @@ class SessionPolicy:
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None
 
-    def _best(self, caps: dict[str, int], fixed_gamma: int | None) -> Choice:
+    def _best(self, caps: dict[str, int], fixed_gamma: int | None, ngram_order: int = 0) -> Choice:
         """The eligible source and γ with the largest estimated speedup; none when no source
         beats plain decoding (with a fixed γ a source is always used)."""
         options = []
         for source, cap in caps.items():
-            alpha = self.alpha(source) or 0.0
+            alpha = (self.ngram_alpha(ngram_order) if source == NGRAM else self.alpha(source)) or 0.0
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
                 speedup = expected_tokens(alpha, gamma) / self.costs.relative_cost(source, gamma)

@@ -75,6 +75,8 @@ class RequestSpeculation:
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
         self.draft_hints = draft_hints and mode == "auto"
+        self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
+        self._order = 0  # the match length of the planned n-gram round
 
     @property
     def uses_draft(self) -> bool:
@@ -87,9 +89,10 @@ class RequestSpeculation:
         candidates: list[int] = []
         if self.mode in ("auto", NGRAM) and cap > 0 and self.fixed_gamma != 0:
             candidates = self.ngram.propose(history, cap)
+        self._order = self.ngram.last_order if candidates else 0
         choice = self.policy.choose(max_gamma=cap, ngram_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
-                                    fixed_gamma=self.fixed_gamma)
+                                    fixed_gamma=self.fixed_gamma, ngram_order=self._order)
         if choice.source == NGRAM:
             return Plan(NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
                         time.perf_counter() - t0)
@@ -111,12 +114,16 @@ class RequestSpeculation:
             source = NONE
         own, own_accepted = proposed - hints_kept, accepted - hints_kept
         tried = own_accepted >= 0
+        order = self._order if source == NGRAM else 0
         self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
-                            verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried)
+                            verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
+                            ngram_order=order)
         if source == NGRAM:
             self.ngram.observe(proposed, accepted)
         if source in self.priors and tried:
             self.priors[source].observe(own, own_accepted)
+        if order and own:
+            self.order_priors.setdefault(order, AcceptanceEstimate(PRIOR_DECAY)).observe(own, own_accepted)
 
 
 class Speculation:
@@ -138,6 +145,7 @@ class Speculation:
         self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
         # α per source over all sessions: a new session starts from it instead of warming up
         self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
+        self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's, per match length
 
     def policy(self, session_id: str) -> SessionPolicy:
         """The session's policy (a fresh one for a session not seen, or forgotten; it starts from
@@ -148,6 +156,9 @@ class Speculation:
             for source, prior in self.priors.items():
                 if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                     policy.seed(source, prior.alpha, PRIOR_WEIGHT)
+            for order, prior in self.order_priors.items():
+                if prior.trials >= self.config.order_min_trials and prior.alpha is not None:
+                    policy.seed_order(order, prior.alpha, PRIOR_WEIGHT)
             while len(self._policies) > self.max_sessions:
                 self._policies.popitem(last=False)
         self._policies.move_to_end(session_id)
@@ -158,5 +169,7 @@ class Speculation:
 
     def start(self, session_id: str, mode: str, fixed_gamma: int | None) -> RequestSpeculation:
         ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
-        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
-                                  self.draft_hints)
+        request = RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
+                                     self.draft_hints)
+        request.order_priors = self.order_priors
+        return request

@@ -231,3 +231,23 @@ def test_policy_picks_the_leviathan_optimum_when_verify_is_flat(alpha, c):
     source, gamma = policy.choose()
     expected = best_gamma(alpha, c, 12)
     assert gamma == expected and source == ("draft" if expected else "none")
+
+
+def test_ngram_alpha_is_kept_per_match_length():
+    """Long matches always right, unigram matches always wrong: prompt lookup runs on the long
+    ones and not on the short ones, which the overall α (about half) would not tell apart."""
+    policy = SessionPolicy(PolicyConfig(max_gamma=8))
+    for i in range(200):
+        order = 3 if i % 2 else 1
+        choice = policy.choose(ngram_available=8, ngram_order=order, draft_available=False)
+        if choice.source == "ngram":
+            accepted = choice.gamma if order == 3 else 0
+            policy.observe("ngram", choice.gamma, accepted, verify_seconds=VERIFY_S * (1 + 0.01 * choice.gamma),
+                           verified_tokens=choice.gamma + 1, ngram_order=order)
+    assert policy.ngram_alpha(3) == 1.0 and policy.ngram_alpha(1) == 0.0
+    assert 0.0 < policy.alpha("ngram") < 1.0
+    long = policy.choose(ngram_available=8, ngram_order=3, draft_available=False)
+    assert (long.source, long.gamma) == ("ngram", 8)
+    assert policy.choose(ngram_available=8, ngram_order=1, draft_available=False).source == "none"
+    # a length without its own trials yet: the overall estimate
+    assert policy.ngram_alpha(2) == policy.alpha("ngram")

@@ -79,3 +79,37 @@ def test_bad_settings():
         speculation(cost_ratio=-1.0)
     with pytest.raises(ValueError):
         Speculation(max_gamma=8, default_gamma=4, ngram_max=0, ngram_max_tokens=8)
+
+
+def test_auto_draft_plans_carry_lookup_hints_and_draft_plans_do_not():
+    spec = speculation(cost_ratio=0.1)
+    auto = spec.start("a", "auto", 3)
+    plan = auto.plan(HISTORY, cap=6, draft_available=True)  # warm-up: the draft first
+    assert (plan.source, plan.gamma, plan.tokens) == ("draft", 3, [8, 1, 2])  # cap - γ hints
+    assert spec.start("b", "draft", 3).plan(HISTORY, 6, True).tokens == []
+    assert Speculation(8, 4, 3, 8, cost_ratio=0.1, draft_hints=False).start("c", "auto", 3).plan(
+        HISTORY, 6, True).tokens == []
+
+
+def test_kept_hints_are_left_out_of_the_drafts_alpha():
+    spec = speculation(cost_ratio=0.1)
+    request = spec.start("s", "auto", None)
+    # 2 hints kept + 3 own tokens, the target accepted both hints and 1 own: 1 of 3 own, then a miss
+    request.observe("draft", 5, 3, propose_seconds=None, verify_seconds=None, verified_tokens=6, hints_kept=2)
+    estimate = request.policy.sources["draft"].acceptance
+    assert (estimate.successes, estimate.trials) == (1, 2)
+    # the target rejected a kept hint: the draft's own tokens were never tried
+    request.observe("draft", 5, 1, propose_seconds=None, verify_seconds=None, verified_tokens=6, hints_kept=2)
+    assert estimate.rounds == 1 and spec.priors["draft"].rounds == 1
+
+
+def test_lookup_alpha_per_match_length_reaches_new_sessions():
+    spec = speculation()
+    first = spec.start("first", "ngram", None)
+    for _ in range(4):  # the 3-token suffix of HISTORY: always right
+        plan = first.plan(HISTORY, 3, True)
+        assert first.ngram.last_order == 3
+        first.observe(plan.source, plan.gamma, plan.gamma, propose_seconds=0.0, verify_seconds=None,
+                      verified_tokens=plan.gamma + 1)
+    assert spec.order_priors[3].alpha == 1.0
+    assert spec.start("later", "ngram", None).policy.ngram_alpha(3) == 1.0
