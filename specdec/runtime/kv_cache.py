@@ -21,8 +21,8 @@ from transformers import DynamicCache
 
 from specdec.fingerprint import PrefixHashes
 
-MIN_CAPACITY = 16  # tokens
-DOUBLE_UNTIL = 256  # tokens: below this the capacity doubles, above it grows by an eighth
+GRAIN = 8  # tokens: capacities are multiples of this
+HEADROOM = 16  # a growth leaves room for needed/HEADROOM more tokens (at least GRAIN)
 
 
 def _as_array(tokens: Sequence[int]) -> array:
@@ -46,12 +46,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def grown_capacity(capacity: int, needed: int) -> int:
-    """The next capacity holding `needed` tokens: doubling while small, then +1/8 per step, so
-    the unused tail stays within an eighth of a long session's K/V."""
-    capacity = max(capacity, MIN_CAPACITY)
-    while capacity < needed:
-        capacity = capacity * 2 if capacity < DOUBLE_UNTIL else capacity + -(-capacity // 8)
-    return capacity
+    """The capacity to grow to for `needed` tokens: needed plus a sixteenth (at least GRAIN
+    tokens), rounded up to GRAIN. The unused tail stays within 1/16 of the K/V (+ one grain), so
+    a session's buffer is within ~7 % of its theoretical K/V size, while growing geometrically
+    keeps the copying amortised O(1) per token (≈16 token copies per appended token at most)."""
+    if needed <= capacity:
+        return capacity
+    target = needed + max(GRAIN, needed // HEADROOM)
+    return -(-target // GRAIN) * GRAIN
 
 
 @dataclass(frozen=True)
