@@ -8,9 +8,11 @@ Usage:
 Without a fetched pair and without --draft-model/--target-model it builds a tiny random pair
 (specdec.tiny; its text is noise and its draft is unrelated to its target) and says so.
 The three services run as `specdec up` subprocesses (batching flags through the environment);
-each level starts C concurrent streaming greedy sessions of --max-new-tokens tokens, once with
-speculation at γ=4 and once with γ=0. Per-token latency is each streamed chunk's gap divided
-among its tokens. Before the services start, the target model is loaded here to measure the
+each level starts C concurrent streaming greedy sessions of --max-new-tokens tokens, once per
+entry of --gammas (default auto,4,0): "auto" leaves num_speculative_tokens and proposer unset, so
+the coordinator's default policy (proposer auto, adaptive γ) applies; a number fixes γ (0 = no
+speculation). The summary compares auto with γ=0 at every level. Per-token latency is each
+streamed chunk's gap divided among its tokens. Before the services start, the target model is loaded here to measure the
 cost of ONE batched forward of B sessions × 1 (and × 5) tokens relative to one 1-token step:
 B / that ratio is the ceiling of what batching can give. Prints tables, writes JSON and a PNG
 under bench/results/.
@@ -123,10 +125,25 @@ def start_services(args, draft: str, target: str) -> subprocess.Popen:
     return proc
 
 
-def session(stub, prompt: str, gamma: int, max_new: int, out: list, lock: threading.Lock) -> None:
-    request = coordinator_pb2.GenerateRequest(
-        prompt=prompt, max_new_tokens=max_new, num_speculative_tokens=gamma, ignore_eos=True,
-        sampling=common_pb2.SamplingParams(temperature=0.0))
+AUTO = "auto"  # --gammas entry: the coordinator's default policy (nothing set in the request)
+
+
+def parse_gammas(text: str) -> list[int | str]:
+    """"auto,4,0" -> ["auto", 4, 0]."""
+    return [AUTO if g.strip() == AUTO else int(g) for g in text.split(",")]
+
+
+def generate_request(prompt: str, gamma: int | str, max_new: int) -> coordinator_pb2.GenerateRequest:
+    """A greedy request; γ "auto" leaves num_speculative_tokens and proposer unset (the default)."""
+    request = coordinator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new, ignore_eos=True,
+                                              sampling=common_pb2.SamplingParams(temperature=0.0))
+    if gamma != AUTO:
+        request.num_speculative_tokens = gamma
+    return request
+
+
+def session(stub, prompt: str, gamma: int | str, max_new: int, out: list, lock: threading.Lock) -> None:
+    request = generate_request(prompt, gamma, max_new)
     gaps: list[float] = []
     last = time.perf_counter()
     tokens, stats = 0, None
@@ -159,7 +176,7 @@ def cpu_seconds(proc: subprocess.Popen) -> dict[str, float]:
     return out
 
 
-def level(address: str, sessions: int, gamma: int, max_new: int, proc: subprocess.Popen) -> dict:
+def level(address: str, sessions: int, gamma: int | str, max_new: int, proc: subprocess.Popen) -> dict:
     results: list[dict] = []
     cpu_before = cpu_seconds(proc)
     lock = threading.Lock()
@@ -193,7 +210,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--port", type=int, default=50081)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--gammas", default="4,0")
+    parser.add_argument("--gammas", default="auto,4,0",
+                        help="γ per run, comma-separated: auto (the coordinator's default policy) or a number")
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)))
     parser.add_argument("--max-batch-size", type=int, default=32, help="the services' --max-batch-size")
     parser.add_argument("--batch-wait-ms", type=float, default=2.0, help="the services' --batch-wait-ms")
@@ -213,7 +231,7 @@ def main() -> int:
     args = parser.parse_args()
     draft, target, what = pick_models(args)
     levels = [int(x) for x in args.levels.split(",")]
-    gammas = [int(g) for g in args.gammas.split(",")]
+    gammas = parse_gammas(args.gammas)
 
     if args.torch_threads:
         import torch
@@ -236,7 +254,7 @@ def main() -> int:
         for gamma in gammas:
             for sessions in levels:
                 rows.append(level(address, sessions, gamma, args.max_new_tokens, proc))
-                print(f"  γ={gamma} sessions={sessions}: {rows[-1]['tokens_per_second']:.1f} tok/s", flush=True)
+                print(f"  {label(gamma)} sessions={sessions}: {rows[-1]['tokens_per_second']:.1f} tok/s", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -244,33 +262,49 @@ def main() -> int:
     threads = args.torch_threads or "default"
     print(f"\nconcurrent sessions ({what}, {args.dtype}, {args.max_new_tokens} new tokens each, "
           f"max batch {args.max_batch_size}, wait {args.batch_wait_ms} ms, torch threads {threads})")
-    print(f"{'γ':>3} {'sessions':>9} {'tok/s':>9} {'x 1 session':>12} {'p50 ms/tok':>11} {'p99 ms/tok':>11} "
+    print(f"{'γ':>4} {'sessions':>9} {'tok/s':>9} {'x 1 session':>12} {'p50 ms/tok':>11} {'p99 ms/tok':>11} "
           f"{'accept':>7} {'tok/round':>10}")
     for row in rows:
         one = next(r for r in rows if r["gamma"] == row["gamma"] and r["sessions"] == levels[0])
         row["scaling"] = row["tokens_per_second"] / one["tokens_per_second"]
-        print(f"{row['gamma']:>3} {row['sessions']:>9} {row['tokens_per_second']:>9.1f} {row['scaling']:>12.2f} "
+        print(f"{row['gamma']:>4} {row['sessions']:>9} {row['tokens_per_second']:>9.1f} {row['scaling']:>12.2f} "
               f"{row['p50_token_ms']:>11.2f} {row['p99_token_ms']:>11.2f} {row['acceptance_rate']:>7.3f} "
               f"{row['tokens_per_round']:>10.2f}")
     roles = ("coordinator", "draft", "target", "client")
     print("\nCPU ms per generated token, by process (where the time goes)")
-    print(f"{'γ':>3} {'sessions':>9} " + " ".join(f"{r:>12}" for r in roles))
+    print(f"{'γ':>4} {'sessions':>9} " + " ".join(f"{r:>12}" for r in roles))
     for row in rows:
         cpu = row["cpu_ms_per_token"]
-        print(f"{row['gamma']:>3} {row['sessions']:>9} " + " ".join(f"{cpu.get(r, float('nan')):>12.2f}" for r in roles))
+        print(f"{row['gamma']:>4} {row['sessions']:>9} " + " ".join(f"{cpu.get(r, float('nan')):>12.2f}" for r in roles))
+    versus = auto_vs_target_only(rows)
+    if versus:
+        print("\nauto vs γ=0 (tokens/s ratio; the target: never below 1)")
+        for row in versus:
+            print(f"  {row['sessions']:>3} sessions: {row['ratio']:.3f}" + ("" if row["ratio"] >= 1 else "  SLOWER"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"models": what, "draft": draft, "target": target, "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "max_batch_size": args.max_batch_size,
               "batch_wait_ms": args.batch_wait_ms, "torch_threads": args.torch_threads, "levels": rows,
-              "batched_forward": ceiling}
+              "batched_forward": ceiling, "auto_vs_gamma0": versus}
     (out / "concurrency.json").write_text(json.dumps(result, indent=2))
     plot(out / "concurrency.png", rows, ceiling, gammas, what)
     print(f"wrote {out / 'concurrency.json'}")
     return 0
 
 
-def plot(path: Path, rows: list[dict], ceiling: list[dict], gammas: list[int], what: str) -> None:
+def auto_vs_target_only(rows: list[dict]) -> list[dict]:
+    """Per level run with both: auto's tokens/s over γ=0's."""
+    by = {(r["gamma"], r["sessions"]): r["tokens_per_second"] for r in rows}
+    return [{"sessions": n, "ratio": by[(AUTO, n)] / by[(0, n)]}
+            for (g, n) in by if g == AUTO and (0, n) in by]
+
+
+def label(gamma: int | str) -> str:
+    return AUTO if gamma == AUTO else f"γ={gamma}"
+
+
+def plot(path: Path, rows: list[dict], ceiling: list[dict], gammas: list[int | str], what: str) -> None:
     try:
         import matplotlib
 
@@ -283,11 +317,11 @@ def plot(path: Path, rows: list[dict], ceiling: list[dict], gammas: list[int], w
     for gamma in gammas:
         mine = [r for r in rows if r["gamma"] == gamma]
         left.plot([r["sessions"] for r in mine], [r["tokens_per_second"] for r in mine], marker="o",
-                  label=f"γ={gamma}")
+                  label=label(gamma))
         right.plot([r["sessions"] for r in mine], [r["p50_token_ms"] for r in mine], marker="o",
-                   label=f"p50 γ={gamma}")
+                   label=f"p50 {label(gamma)}")
         right.plot([r["sessions"] for r in mine], [r["p99_token_ms"] for r in mine], marker="x", linestyle="--",
-                   label=f"p99 γ={gamma}")
+                   label=f"p99 {label(gamma)}")
     if ceiling:
         one = next(r for r in rows if r["sessions"] == min(r["sessions"] for r in rows) and r["gamma"] == 0) \
             if any(r["gamma"] == 0 for r in rows) else None
