@@ -88,6 +88,12 @@ class KVBuffer:
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
+    def growth_bytes(self, needed: int) -> int:
+        """What `reserve(needed, ...)` would add to this buffer's bytes."""
+        if needed <= self.capacity:
+            return 0
+        return (grown_capacity(self.capacity, needed) - self.capacity) * self.spec.bytes_per_token
+
     def reserve(self, needed: int, held: int) -> None:
         """Room for `needed` tokens, keeping the first `held` (the only valid ones)."""
         if needed <= self.capacity:
@@ -233,15 +239,17 @@ class SessionCaches:
         with self._lock:
             return self._bytes
 
-    def enforce_limits(self, keep: Iterable[str] = ()) -> list[str]:
-        """Evict least recently used sessions (never those in `keep`) until within both bounds."""
+    def enforce_limits(self, keep: Iterable[str] = (), extra_bytes: int = 0) -> list[str]:
+        """Evict least recently used sessions (never those in `keep`) until within both bounds,
+        with room for `extra_bytes` more (what a forward about to run will grow its buffers by)."""
         keep = {keep} if isinstance(keep, str) else set(keep)
         evicted: list[str] = []
+        limit = self.max_bytes - extra_bytes
         with self._lock:
-            if len(self._entries) <= self.max_sessions and self._bytes <= self.max_bytes:
+            if len(self._entries) <= self.max_sessions and self._bytes <= limit:
                 return evicted
             for sid in list(self._entries):
-                if len(self._entries) <= self.max_sessions and self._bytes <= self.max_bytes:
+                if len(self._entries) <= self.max_sessions and self._bytes <= limit:
                     break
                 if sid in keep:
                     continue

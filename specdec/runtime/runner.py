@@ -226,6 +226,9 @@ class ModelRunner:
         lengths = [len(row.tokens) for row in rows]
         n = max(lengths)
         buffers = [row.entry.kv for row in rows]
+        growth = sum(b.growth_bytes(past + length) for b, past, length in zip(buffers, pasts, lengths))
+        if growth:  # make room first, so the budget holds while the buffers grow too
+            self.finish([row.session_id for row in rows], growth)
         for buffer, past, length in zip(buffers, pasts, lengths):
             buffer.reserve(past + length, past)
         if len(rows) == 1:
@@ -246,9 +249,10 @@ class ModelRunner:
         logits = out.logits.float()  # [B, keep, vocab]
         return [logits[b, keep - row.keep_logits:] for b, row in enumerate(rows)]
 
-    def finish(self, keep: str | Iterable[str]) -> None:
-        """Apply the cache bounds after a call (never evicting the sessions just used)."""
-        evicted = self.caches.enforce_limits(keep=keep)
+    def finish(self, keep: str | Iterable[str], extra_bytes: int = 0) -> None:
+        """Apply the cache bounds after a call (never evicting the sessions just used), or before
+        a forward that grows buffers by extra_bytes."""
+        evicted = self.caches.enforce_limits(keep=keep, extra_bytes=extra_bytes)
         if evicted:
             log.info("evicted %d session cache(s): %s", len(evicted), [session_tag(s) for s in evicted])
 
