@@ -12,8 +12,8 @@ prefill_chunk steps, decodes --decode-steps tokens one at a time, then rolls bac
 Per session it reports the tokens held, the bytes the cache accounts for it (what
 specdec_kv_cache_bytes sums and the --kv-cache-bytes budget is checked against), the bytes its
 tensors' storages actually allocate, the theoretical bytes, and the ratios. Allocated above
-theory is the buffers' growth slack (capacity doubles below 256 tokens, then grows by an
-eighth: see specdec/runtime/kv_cache.py) plus the tokens a rollback gave back. Prints a table,
+theory is the buffers' growth slack (a growth reserves a sixteenth more, at least 4 tokens: see
+specdec/runtime/kv_cache.py) plus the tokens a rollback gave back. Prints a table,
 writes bench/results/kv_memory.json and kv_memory.png.
 """
 
@@ -179,7 +179,7 @@ def table(models: list[dict]) -> str:
             lines.append(f"skipped (longer than the context of {m['context_length']}): {m['skipped_lengths']}")
     lines.append("accounted = what the cache counts against --kv-cache-bytes (specdec_kv_cache_bytes); allocated "
                  "= the storages' bytes; theory = tokens held x theoretical B/token. Above 1: the buffer's "
-                 "growth slack (doubling below 256 tokens, +1/8 above) and tokens a rollback gave back")
+                 "growth slack (a growth reserves 1/16 more, at least 4 tokens) and tokens a rollback gave back")
     return "\n".join(lines)
 
 

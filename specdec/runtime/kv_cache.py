@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from specdec.fingerprint import PrefixHashes
 
-GRAIN = 8  # tokens: capacities are multiples of this
+GRAIN = 4  # tokens: capacities are multiples of this
 HEADROOM = 16  # a growth leaves room for needed/HEADROOM more tokens (at least GRAIN)
 
 
@@ -47,9 +47,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def grown_capacity(capacity: int, needed: int) -> int:
     """The capacity to grow to for `needed` tokens: needed plus a sixteenth (at least GRAIN
-    tokens), rounded up to GRAIN. The unused tail stays within 1/16 of the K/V (+ one grain), so
-    a session's buffer is within ~7 % of its theoretical K/V size, while growing geometrically
-    keeps the copying amortised O(1) per token (≈16 token copies per appended token at most)."""
+    tokens), rounded up to GRAIN. The unused tail stays within 1/16 of the K/V plus a few
+    tokens, so a session's buffer is within ~7-8 % of its theoretical K/V size from ~100 tokens
+    on, while growing geometrically keeps the copying amortised O(1) per token (at most ≈16
+    token copies per appended token)."""
     if needed <= capacity:
         return capacity
     target = needed + max(GRAIN, needed // HEADROOM)
