@@ -115,7 +115,8 @@ def model_paths(args) -> tuple[str, str]:
 def start_services(draft: str, target: str, args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     command = [sys.executable, "-m", "specdec.cli", "up", "--port", str(args.port), "--dtype", args.dtype,
-               "--device", args.device, "--draft-model", draft, "--target-model", target]
+               "--device", args.device, "--draft-model", draft, "--target-model", target,
+               "--draft-quantize", args.draft_quantize]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
     wait_healthy(f"127.0.0.1:{args.port}", 900, [proc])
     return proc
@@ -135,6 +136,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny random pair built here (smoke test)")
     parser.add_argument("--quick", action="store_true", help="one prompt per kind, fewer methods")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
+                        help="the draft's linear layers in int8 (CPU), for specdec's draft AND HF's assistant")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads everywhere (0 = torch's default)")
     parser.add_argument("--port", type=int, default=50071)
@@ -157,7 +160,7 @@ def main() -> int:
         prompts = [p for p in PROMPTS if p.name in wanted]
     draft_path, target_path = model_paths(args)
     hf_target = load_model(target_path, args.dtype, args.device)
-    hf_draft = load_model(draft_path, args.dtype, args.device)
+    hf_draft = load_model(draft_path, args.dtype, args.device, quantize=args.draft_quantize)
     for loaded in (hf_target, hf_draft):
         loaded.model.generation_config.eos_token_id = None
     peers = {} if args.no_hf else hf_methods(hf_draft.model)
@@ -199,6 +202,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     document = {"draft_model": draft_path, "target_model": target_path, "dtype": args.dtype,
+                "draft_quantize": args.draft_quantize,
                 "device": args.device, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats,
                 "tiny": args.tiny, "quick": args.quick, "methods": method_names, "overall": totals,

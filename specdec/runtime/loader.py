@@ -58,14 +58,27 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
-               trust_remote_code: bool = False) -> LoadedModel:
-    """Load model + tokenizer through transformers' Auto classes."""
+               trust_remote_code: bool = False, quantize: str = "none") -> LoadedModel:
+    """Load model + tokenizer through transformers' Auto classes.
+
+    quantize "int8": linear layers in dynamic int8 (specdec/runtime/quantize.py); CPU only, the
+    rest of the model (and the K/V) in float32 whatever `dtype` says."""
     from transformers import AutoModelForCausalLM
+
+    from specdec.runtime.quantize import check_quantization, quantize_int8
 
     if not spec:
         raise ModelLoadError("no model given: pass --model DIR|HUB_ID|FILE.gguf")
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(TORCH_DTYPES)}")
+    try:
+        check_quantization(quantize, device)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if quantize == "int8":
+        if dtype != "float32":
+            log.info("--quantize int8: %s loads in float32 (dynamic int8 linears need float32), not %s", spec, dtype)
+        dtype = "float32"
     source, extra = _source(spec)
     torch_dtype = TORCH_DTYPES[dtype]
     tokenizer = load_tokenizer(spec, trust_remote_code)
@@ -77,7 +90,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     target_device = torch.device(device)
     model = model.to(device=target_device, dtype=torch_dtype).eval()
-    log.info("loaded %s (%s on %s)", spec, dtype, target_device)
+    if quantize == "int8":
+        model = quantize_int8(model)
+    log.info("loaded %s (%s%s on %s)", spec, dtype, ", int8 linears" if quantize == "int8" else "", target_device)
     return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
 
 
