@@ -64,9 +64,8 @@ class DraftConfig(ModelServiceConfig):
     """Config of the draft service."""
 
     proposal_top_k: int = opt(32, "the draft samples from its top-K truncated distribution (K)")
-    quantize: str = opt("none", "weights of the draft's linear layers: none, or int8 (dynamic int8 "
-                        "on CPU: about half the step time of bfloat16 on a CPU; the model then runs in "
-                        "float32 otherwise; its proposals change a little, the output does not)",
+    quantize: str = opt("none", "weights of the draft's linear layers: none, or int8 (weight-only int8 "
+                        "on CPU: shorter draft steps; its proposals change a little, the output does not)",
                         ("none", "int8"))
 
 

@@ -1,4 +1,4 @@
-"""A draft with int8 linear layers (--quantize int8): faster proposals, the same output."""
+"""A draft with weight-only int8 linear layers (--quantize int8): the same output, close logits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from specdec.config import DraftConfig
 from specdec.runtime.loader import ModelLoadError, load_model
+from specdec.runtime.quantize import Int8Linear
 from specdec.runtime.runner import runner_from_config
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -27,15 +28,31 @@ def test_int8_draft_keeps_greedy_output_exact(models):
             assert response.stats.draft_rounds > 0 and response.stats.acceptance_rate > 0.5
 
 
-def test_int8_runner_quantizes_the_linear_layers_after_the_batch_check(models):
+def test_int8_linear_is_the_rounded_weights_product():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    quantized = Int8Linear(linear)
+    assert quantized.weight_int8.dtype == torch.int8 and quantized.scale.shape == (48,)
+    x = torch.randn(3, 5, 64)  # [batch, tokens, in]
+    dequantized = quantized.weight_int8.float() * quantized.scale[:, None]  # [out, in]
+    assert torch.allclose(quantized(x), x @ dequantized.T + linear.bias, atol=1e-4)
+    # round to nearest with a per-row scale: each weight within half a step of the original
+    assert bool(((dequantized - linear.weight).abs() <= quantized.scale[:, None] / 2 + 1e-7).all())
+    # rows do not interact: a batched call equals the rows alone
+    assert torch.equal(quantized(x)[1], quantized(x[1:2])[0])
+
+
+def test_int8_runner_quantizes_every_linear_and_still_batches(models):
     runner = runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="bfloat16", quantize="int8"))
-    kinds = {type(m).__module__ for m in runner.model.modules() if "Linear" in type(m).__name__}
-    assert any("quantized" in kind for kind in kinds)
-    assert runner.loaded.dtype == torch.float32  # the rest of the model and the K/V in float32
-    assert runner.kv_spec is not None  # batched forwards kept (the check ran before quantizing)
+    linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    assert runner.loaded.dtype == torch.bfloat16  # activations and K/V keep the dtype asked for
+    assert runner.kv_spec is not None  # the batched-forward start-up check passed
     assert runner.vocab_size == 384
-    logits = runner.forward("s", runner.new_entry(), [5, 6, 7], 1)
-    assert logits.shape == (1, 384) and bool(torch.isfinite(logits).all())
+    plain = runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32"))
+    a = runner.forward("s", runner.new_entry(), [5, 6, 7, 8], 1).float()
+    b = plain.forward("s", plain.new_entry(), [5, 6, 7, 8], 1)
+    assert a.shape == (1, 384) and torch.allclose(a, b, atol=0.05 * float(b.abs().max()))
 
 
 def test_int8_is_cpu_only_and_unknown_quantizations_are_refused(models):

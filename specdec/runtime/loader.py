@@ -61,8 +61,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
                trust_remote_code: bool = False, quantize: str = "none") -> LoadedModel:
     """Load model + tokenizer through transformers' Auto classes.
 
-    quantize "int8": linear layers in dynamic int8 (specdec/runtime/quantize.py); CPU only, the
-    rest of the model (and the K/V) in float32 whatever `dtype` says."""
+    quantize "int8": weight-only int8 linear layers (specdec/runtime/quantize.py), CPU only;
+    activations and K/V stay in `dtype` (float32 for a float64 request: the kernel takes
+    16- and 32-bit floats)."""
     from transformers import AutoModelForCausalLM
 
     from specdec.runtime.quantize import check_quantization, quantize_int8
@@ -75,9 +76,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         check_quantization(quantize, device)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    if quantize == "int8":
-        if dtype != "float32":
-            log.info("--quantize int8: %s loads in float32 (dynamic int8 linears need float32), not %s", spec, dtype)
+    if quantize == "int8" and dtype == "float64":
+        log.info("--quantize int8: %s runs in float32 (the int8 kernel takes no float64)", spec)
         dtype = "float32"
     source, extra = _source(spec)
     torch_dtype = TORCH_DTYPES[dtype]

@@ -21,7 +21,6 @@ from specdec.errors import CacheMiss, InvalidArgument, ResourceExhausted
 from specdec.logtag import session_tag
 from specdec.runtime import batch_cache
 from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches, common_prefix
-from specdec.runtime.quantize import check_quantization, quantize_int8
 from specdec.runtime.loader import (
     LoadedModel,
     eos_token_ids,
@@ -266,23 +265,9 @@ class ModelRunner:
 
 def runner_from_config(config) -> ModelRunner:
     """Load the model of a ModelServiceConfig and wrap it in a runner with its cache bounds."""
-    from specdec.runtime.loader import ModelLoadError, load_model
+    from specdec.runtime.loader import load_model
 
-    quantize = getattr(config, "quantize", "none")
-    dtype = config.dtype
-    try:
-        check_quantization(quantize, config.device)
-    except ValueError as exc:
-        raise ModelLoadError(str(exc)) from exc
-    if quantize == "int8":
-        dtype = "float32"
-    loaded = load_model(config.model, dtype, config.device, config.trust_remote_code)
+    loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
+                        getattr(config, "quantize", "none"))
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
-    runner = ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
-    if quantize == "int8":
-        # after the start-up check of batched forwards, which is about the architecture: with
-        # activations quantized per call a row's logits may move a little with its batch, which
-        # a draft can afford (the target verifies every token against the q it was drawn from)
-        quantize_int8(runner.model)
-        log.info("%s: linear layers quantized to int8", config.model)
-    return runner
+    return ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
