@@ -23,13 +23,32 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, vocab]
-        drop_sorted = mass_before >= params.top_p  # the first token is always kept
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(~_nucleus(logits, params.top_p), float("-inf"))
     return logits
+
+
+TOP_P_FIRST_K = 64  # candidates ranked before falling back to a larger k (then a full sort)
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens top-p keeps: those with less than top_p of the mass ranked before them (the
+    first is always kept). Ranks only the k most likely tokens (k = 64, then 16× more, then the
+    whole vocabulary) until every row's top k holds at least top_p of the mass: every token past
+    that has ≥ top_p before it and is dropped, so no full-vocabulary sort in the usual case.
+
+    logits [n, vocab] float32 -> keep [n, vocab] bool."""
+    vocab = logits.shape[-1]
+    total = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
+    k = min(vocab, TOP_P_FIRST_K)
+    while True:
+        values, ids = torch.topk(logits, k, dim=-1)  # [n, k], most likely first
+        probs = torch.exp(values - total)  # [n, k]
+        if k == vocab or bool((probs.sum(dim=-1) >= top_p).all()):
+            break
+        k = min(vocab, k * 16)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, k]
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    return keep.scatter_(-1, ids, mass_before < top_p)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

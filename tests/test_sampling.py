@@ -274,3 +274,23 @@ def test_one_hot_draft_accept_probability_is_p_of_the_draft():
                 for s in range(200)]
     recovered = [v.next_token for v in rejected if v.num_accepted == 0]
     assert recovered and 1 not in recovered  # recovered from p with the draft removed
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference top-p: sort the whole vocabulary."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+    return ~drop_sorted.scatter(-1, order, drop_sorted)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.01], ids=["peaked", "spread", "flat"])
+@pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
+def test_top_p_without_a_full_sort_keeps_the_same_tokens(scale, top_p):
+    """Peaked rows keep a few tokens (found in the top 64); flat rows need most of the 5,000
+    tokens, past the first k, so the ranking widens — the same set as a full sort either way."""
+    from specdec.sampling import _nucleus
+
+    generator = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 1000))
+    logits = torch.randn(6, 5000, generator=generator, dtype=torch.float64).float() * scale
+    assert torch.equal(_nucleus(logits, top_p), _nucleus_by_full_sort(logits, top_p))
