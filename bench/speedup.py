@@ -136,8 +136,9 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny random pair built here (smoke test)")
     parser.add_argument("--quick", action="store_true", help="one prompt per kind, fewer methods")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
-                        help="the draft's linear layers in int8 (CPU), for specdec's draft AND HF's assistant")
+    parser.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "int8"),
+                        help="the draft's linear layers in weight-only int8 (the draft service's --quantize; "
+                             "auto = int8 on a CPU), for specdec's draft AND HF's assistant")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads everywhere (0 = torch's default)")
     parser.add_argument("--port", type=int, default=50071)

@@ -64,9 +64,10 @@ class DraftConfig(ModelServiceConfig):
     """Config of the draft service."""
 
     proposal_top_k: int = opt(32, "the draft samples from its top-K truncated distribution (K)")
-    quantize: str = opt("none", "weights of the draft's linear layers: none, or int8 (weight-only int8 "
-                        "on CPU: shorter draft steps; its proposals change a little, the output does not)",
-                        ("none", "int8"))
+    quantize: str = opt("auto", "weights of the draft's linear layers: int8 (weight-only int8, CPU "
+                        "only: shorter draft steps; its proposals change a little, the output does "
+                        "not), none, or auto (int8 on a CPU in bfloat16/float16/float32, else none)",
+                        ("auto", "none", "int8"))
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,15 @@ def test_int8_is_cpu_only_and_unknown_quantizations_are_refused(models):
         runner_from_config(DraftConfig(model=models["llama"]["draft"], device="cuda", quantize="int8"))
     with pytest.raises(ModelLoadError, match="unknown quantization"):
         load_model(models["llama"]["draft"], "float32", quantize="int4")
+
+
+def test_auto_quantizes_a_cpu_draft_unless_float64():
+    from specdec.runtime.quantize import resolve_quantization
+
+    assert resolve_quantization("auto", "cpu", "bfloat16") == "int8"
+    assert resolve_quantization("auto", "cpu", "float32") == "int8"
+    assert resolve_quantization("auto", "cpu", "float64") == "none"  # exactness tests run unquantized
+    assert resolve_quantization("auto", "cuda:0", "bfloat16") == "none"
+    assert resolve_quantization("none", "cpu", "bfloat16") == "none"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("int8", "cuda", "bfloat16")

@@ -63,17 +63,17 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
 
     quantize "int8": weight-only int8 linear layers (specdec/runtime/quantize.py), CPU only;
     activations and K/V stay in `dtype` (float32 for a float64 request: the kernel takes
-    16- and 32-bit floats)."""
+    16- and 32-bit floats). "auto": int8 on a CPU in a 16/32-bit dtype, else none."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.runtime.quantize import check_quantization, quantize_int8
+    from specdec.runtime.quantize import quantize_int8, resolve_quantization
 
     if not spec:
         raise ModelLoadError("no model given: pass --model DIR|HUB_ID|FILE.gguf")
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(TORCH_DTYPES)}")
     try:
-        check_quantization(quantize, device)
+        quantize = resolve_quantization(quantize, device, dtype)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
     if quantize == "int8" and dtype == "float64":

@@ -20,16 +20,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8")
 INT8_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations the kernel takes
+INT8_DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
-def check_quantization(quantize: str, device: str) -> None:
-    """ValueError unless `quantize` is known and runs on `device`."""
+def resolve_quantization(quantize: str, device: str, dtype: str) -> str:
+    """"none" or "int8" for a model on `device` in `dtype`; ValueError for a bad choice.
+
+    auto: int8 on a CPU in a 16- or 32-bit float dtype (where it pays), else none — a float64
+    model (the exactness tests) or a GPU runs unquantized."""
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZATIONS)}")
-    if quantize == "int8" and torch.device(device).type != "cpu":
+    on_cpu = torch.device(device).type == "cpu"
+    if quantize == "auto":
+        return "int8" if on_cpu and dtype in INT8_DTYPE_NAMES else "none"
+    if quantize == "int8" and not on_cpu:
         raise ValueError(f"--quantize int8 runs on CPU only (its kernel is a CPU one); got device {device!r}")
+    return quantize
 
 
 class Int8Linear(nn.Module):
