@@ -2,16 +2,25 @@
 
 Usage:
   python bench/overhead.py [--requests 20] [--max-new-tokens 64] [--gammas 4,0]
+                           [--store memory|redis://...] [--overlap on|off|on,off]
 
 Builds a tiny random pair (specdec.tiny) and runs the draft, target and coordinator servers as
-separate processes on loopback (real gRPC, the in-process session store), as in production.
+separate processes on loopback (real gRPC; the in-process session store unless --store names a
+Redis), as in production. --overlap off runs the coordinator with the session-store write of a
+round awaited before the next round starts (the engine's `overlap_store` off), to measure what
+the overlap saves; on,off runs both, one coordinator process after the other.
 One streaming greedy session at a time; each streamed chunk is one round, so a round's wall
 time is the gap between two chunks as the client sees them. The model work of the round is
 measured inside the draft and target processes (this script starts them with their batch
 tasks and model forwards timed on the system-wide monotonic clock): every batch task the
 model workers run (forward, acceptance, drafting draws), and the model forwards alone.
 Orchestration = wall − model work: the coordinator, the session store, gRPC on loopback, the
-batch scheduler and the hops between threads. Two bare unary gRPC calls (GetModelInfo on
+batch scheduler and the hops between threads. It is split by spans timed in every process:
+`service` = the Propose/Verify handlers beyond their model work (validation, the batch
+scheduler, the hops to the model thread and back); `grpc` = the coordinator's calls beyond the
+handlers (transport, (de)serialisation, interceptors, both event loops); `store` = the
+coordinator's session-store writes; `rest` = what no call or write covers (the engine's own
+Python, streaming the chunk to the client). Two bare unary gRPC calls (GetModelInfo on
 draft and target) are timed as the floor. Prints a table; writes JSON and a PNG under
 bench/results/.
 """
@@ -19,6 +28,7 @@ bench/results/.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -70,12 +80,36 @@ class Intervals:
                     self.spans.append((t0, time.perf_counter()))
         return timed
 
+    def wrap_async(self, fn):
+        async def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.spans.append((t0, time.perf_counter()))
+        return timed
+
+    def merged(self, *others: "Intervals") -> "Intervals":
+        """The union of these spans and others' (overlaps counted once)."""
+        spans = sorted([*self.spans, *(s for o in others for s in o.spans)])
+        out: list[tuple[float, float]] = []
+        for s, e in spans:
+            if out and s <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], e))
+            else:
+                out.append((s, e))
+        return Intervals(out)
+
     def within(self, start: float, end: float) -> float:
         """Seconds of recorded spans inside [start, end]."""
-        with self.lock:
-            spans = sorted(self.spans)
+        if getattr(self, "_sorted_n", -1) != len(self.spans):
+            with self.lock:
+                self._sorted, self._sorted_n = sorted(self.spans), len(self.spans)
+        spans = self._sorted
+        # spans start in order; one that starts before `start` may still reach into it
         total = 0.0
-        for s, e in spans[max(0, bisect_left(spans, (start, start)) - 1):]:
+        for s, e in spans[max(0, bisect_left(spans, (start, start)) - 64):]:
             if s > end:
                 break
             total += max(0.0, min(e, end) - max(s, start))
@@ -88,18 +122,49 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def serve(args) -> int:
-    """Child process: one model service with its batch tasks and forwards timed; on stdin EOF,
-    write the spans to --spans and stop."""
-    start, config = ((draft_server.start, DraftConfig) if args.serve == "draft"
-                     else (target_server.start, TargetConfig))
+    """Child process: one model service with its handlers, batch tasks and forwards timed; on
+    stdin EOF, write the spans to --spans and stop."""
+    if args.serve == "coordinator":
+        return asyncio.run(serve_coordinator(args))
+    from draft_service.servicer import DraftServicer
+    from target_service.servicer import TargetServicer
+
+    work, forwards, handlers = Intervals(), Intervals(), Intervals()
+    if args.serve == "draft":  # before the server binds its handlers
+        start, config = draft_server.start, DraftConfig
+        DraftServicer.Propose = handlers.wrap_async(DraftServicer.Propose)
+    else:
+        start, config = target_server.start, TargetConfig
+        TargetServicer.Verify = handlers.wrap_async(TargetServicer.Verify)
     server, _, servicer = start(config(model=args.model, dtype=args.dtype, port=args.port))
-    work, forwards = Intervals(), Intervals()
     servicer.scheduler.run_batch = work.wrap(servicer.scheduler.run_batch)
     runner = servicer.proposer.runner if args.serve == "draft" else servicer.verifier.runner
     runner.model.forward = forwards.wrap(runner.model.forward)
     sys.stdin.read()
-    Path(args.spans).write_text(json.dumps({"work": work.spans, "forwards": forwards.spans}))
+    Path(args.spans).write_text(json.dumps({"work": work.spans, "forwards": forwards.spans,
+                                            "handlers": handlers.spans}))
     server.stop(None).wait()
+    return 0
+
+
+async def serve_coordinator(args) -> int:
+    """Child process: the coordinator with its Propose/Verify calls and store writes timed."""
+    from coordinator import server as coordinator_server
+    from coordinator.clients import DraftClient, TargetClient
+    from coordinator.engine import Engine
+    from specdec.config import CoordinatorConfig
+
+    calls, saves = Intervals(), Intervals()
+    DraftClient.propose = calls.wrap_async(DraftClient.propose)
+    TargetClient.verify = calls.wrap_async(TargetClient.verify)
+    Engine.overlap_store = args.overlap == "on"
+    running = await coordinator_server.start(CoordinatorConfig(
+        draft=args.draft, target=args.target, port=args.port, session_store=args.store))
+    store = running.engine.store
+    store.save = saves.wrap_async(store.save)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    Path(args.spans).write_text(json.dumps({"calls": calls.spans, "saves": saves.spans}))
+    await running.stop(None)
     return 0
 
 
@@ -111,73 +176,104 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="intra-op threads of the model services (OMP_NUM_THREADS; 0 = torch's default)")
+    parser.add_argument("--store", default="memory",
+                        help="the coordinator's session store: memory or a redis:// URL")
+    parser.add_argument("--overlap", default="on",
+                        help="overlap each round's store write with the next round's first call: "
+                             "on, off, or on,off (both, one coordinator after the other)")
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--serve", choices=("draft", "target"), help=argparse.SUPPRESS)  # child process
+    parser.add_argument("--serve", choices=("draft", "target", "coordinator"), help=argparse.SUPPRESS)  # child
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spans", help=argparse.SUPPRESS)
+    parser.add_argument("--draft", help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         return serve(args)
+    overlaps = args.overlap.split(",")
+    if not set(overlaps) <= {"on", "off"}:
+        parser.error(f"--overlap: on, off or on,off, not {args.overlap!r}")
     root = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
     models = dict(zip(("draft", "target"), tiny.build_pair(root)))
-    print(f"tiny random pair under {root} ({args.dtype})", flush=True)
-    ports = {name: free_port() for name in ("draft", "target", "coordinator")}
+    print(f"tiny random pair under {root} ({args.dtype}, store {args.store})", flush=True)
+    ports = {name: free_port() for name in ("draft", "target")}
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.torch_threads)} if args.torch_threads else {}))
     children = {name: subprocess.Popen(
         [sys.executable, __file__, "--serve", name, "--model", str(models[name]), "--dtype", args.dtype,
          "--port", str(ports[name]), "--spans", str(root / f"{name}.json")], stdin=subprocess.PIPE, env=env)
         for name in ("draft", "target")}
-    for name in ("draft", "target"):
-        wait_healthy(f"127.0.0.1:{ports[name]}", 300, list(children.values()))
-    children["coordinator"] = subprocess.Popen(
-        [sys.executable, "-m", "specdec.cli", "serve", "coordinator", "--draft", f"127.0.0.1:{ports['draft']}",
-         "--target", f"127.0.0.1:{ports['target']}", "--port", str(ports["coordinator"])],
-        stdin=subprocess.DEVNULL)
-    wait_healthy(f"127.0.0.1:{ports['coordinator']}", 300, list(children.values()))
-    stamps: dict[int, list[list[float]]] = {}
+    stamps: dict[tuple[str, int], list[list[float]]] = {}
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{ports['coordinator']}") as channel, \
-                grpc.insecure_channel(f"127.0.0.1:{ports['draft']}") as dch, \
+        for name in ("draft", "target"):
+            wait_healthy(f"127.0.0.1:{ports[name]}", 300, list(children.values()))
+        with grpc.insecure_channel(f"127.0.0.1:{ports['draft']}") as dch, \
                 grpc.insecure_channel(f"127.0.0.1:{ports['target']}") as tch:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             bare = bare_calls(draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch))
-            for gamma in [int(g) for g in args.gammas.split(",")]:
-                chunk_times(stub, gamma, 4, 16)  # warm-up
-                stamps[gamma] = chunk_times(stub, gamma, args.requests, args.max_new_tokens)
+        for overlap in overlaps:
+            stamps.update(run_coordinator(args, overlap, ports, root, children))
     finally:
-        children.pop("coordinator").terminate()
         for child in children.values():
             child.stdin.close()
         for child in children.values():
             child.wait(60)
-    work, forwards = Intervals(), Intervals()
-    for name in ("draft", "target"):
-        spans = json.loads((root / f"{name}.json").read_text())
-        work.spans += [tuple(s) for s in spans["work"]]
-        forwards.spans += [tuple(s) for s in spans["forwards"]]
-    results = {"bare_two_calls_ms": bare}
-    for gamma, per_request in stamps.items():
-        results[f"gamma_{gamma}"] = rounds(gamma, per_request, work, forwards)
-
-    print(f"\nper-round orchestration on loopback (tiny pair, {args.dtype}, one process per service, torch threads "
-          f"{args.torch_threads or 'default'}); "
-          f"two bare unary gRPC calls: p50 {bare['p50']:.3f} ms, p99 {bare['p99']:.3f} ms")
-    print(f"{'γ':>3} {'rounds':>7} {'wall p50':>9} {'model p50':>10} {'orch p50':>9} {'orch p99':>9} "
-          f"{'orch-fwd p50':>13}   (ms per round)")
-    for key, r in results.items():
-        if not key.startswith("gamma_"):
-            continue
-        print(f"{r['gamma']:>3} {r['rounds']:>7} {r['wall_p50']:>9.3f} {r['work_p50']:>10.3f} "
-              f"{r['orchestration_p50']:>9.3f} {r['orchestration_p99']:>9.3f} {r['beyond_forward_p50']:>13.3f}")
+    spans = {name: json.loads((root / f"{name}.json").read_text()) for name in ("draft", "target")}
+    work, forwards, handlers = (Intervals([tuple(s) for name in spans for s in spans[name][kind]])
+                                for kind in ("work", "forwards", "handlers"))
+    results: dict = {"bare_two_calls_ms": bare}
+    for (overlap, gamma), per_request in stamps.items():
+        coordinator = json.loads((root / f"coordinator-{overlap}.json").read_text())
+        calls, saves = (Intervals([tuple(s) for s in coordinator[kind]]) for kind in ("calls", "saves"))
+        results[f"gamma_{gamma}_overlap_{overlap}"] = {
+            "overlap": overlap, **rounds(gamma, per_request, work, forwards, handlers, calls, saves)}
+    report(args, results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
-        {"dtype": args.dtype, "torch_threads": args.torch_threads, **{k: {kk: vv for kk, vv in v.items() if kk != "samples"} if isinstance(v, dict)
-                                 else v for k, v in results.items()}}, indent=2))
+        {"dtype": args.dtype, "torch_threads": args.torch_threads, "store": args.store,
+         **{k: {kk: vv for kk, vv in v.items() if kk != "samples"} if isinstance(v, dict) else v
+            for k, v in results.items()}}, indent=2))
     plot(out / "overhead.png", results)
     print(f"wrote {out / 'overhead.json'}")
     return 0
+
+
+def run_coordinator(args, overlap: str, ports: dict[str, int], root: Path,
+                    services: dict[str, subprocess.Popen]) -> dict[tuple[str, int], list[list[float]]]:
+    """Start a coordinator (overlap on or off), time every γ's streams through it, stop it."""
+    port = free_port()
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "coordinator", "--draft", f"127.0.0.1:{ports['draft']}",
+         "--target", f"127.0.0.1:{ports['target']}", "--port", str(port), "--store", args.store,
+         "--overlap", overlap, "--spans", str(root / f"coordinator-{overlap}.json")], stdin=subprocess.PIPE)
+    stamps = {}
+    try:
+        wait_healthy(f"127.0.0.1:{port}", 300, [child, *services.values()])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for gamma in [int(g) for g in args.gammas.split(",")]:
+                chunk_times(stub, gamma, 4, 16)  # warm-up
+                stamps[overlap, gamma] = chunk_times(stub, gamma, args.requests, args.max_new_tokens)
+    finally:
+        child.stdin.close()
+        child.wait(60)
+    return stamps
+
+
+def report(args, results: dict) -> None:
+    bare = results["bare_two_calls_ms"]
+    print(f"\nper-round orchestration on loopback (tiny pair, {args.dtype}, one process per service, torch threads "
+          f"{args.torch_threads or 'default'}, store {args.store}); "
+          f"two bare unary gRPC calls: p50 {bare['p50']:.3f} ms, p99 {bare['p99']:.3f} ms")
+    print(f"{'γ':>3} {'overlap':>7} {'rounds':>7} {'wall p50':>9} {'model p50':>10} {'orch p50':>9} "
+          f"{'orch p99':>9} {'orch-fwd':>9} | {'service':>8} {'grpc':>8} {'store':>8} {'rest':>8}"
+          "   (ms per round; after | the p50 of each part of orch)")
+    for key, r in results.items():
+        if not key.startswith("gamma_"):
+            continue
+        print(f"{r['gamma']:>3} {r['overlap']:>7} {r['rounds']:>7} {r['wall_p50']:>9.3f} {r['work_p50']:>10.3f} "
+              f"{r['orchestration_p50']:>9.3f} {r['orchestration_p99']:>9.3f} {r['beyond_forward_p50']:>9.3f} | "
+              f"{r['service_p50']:>8.3f} {r['grpc_p50']:>8.3f} {r['store_p50']:>8.3f} {r['rest_p50']:>8.3f}")
 
 
 def bare_calls(draft, target, n: int = 300) -> dict:
@@ -201,20 +297,25 @@ def chunk_times(stub, gamma: int, requests: int, max_new: int) -> list[list[floa
     return out
 
 
-def rounds(gamma: int, per_request: list[list[float]], work: Intervals, forwards: Intervals) -> dict:
-    """Per round (each chunk after a request's first): wall, model work, orchestration (ms)."""
-    wall, model, orchestration, beyond_forward = [], [], [], []
+def rounds(gamma: int, per_request: list[list[float]], work: Intervals, forwards: Intervals,
+           handlers: Intervals, calls: Intervals, saves: Intervals) -> dict:
+    """Per round (each chunk after a request's first): wall, model work, orchestration and its
+    parts (ms); see the module docstring."""
+    covered = calls.merged(saves)
+    parts: dict[str, list[float]] = {k: [] for k in ("wall", "work", "orchestration", "beyond_forward",
+                                                     "service", "grpc", "store", "rest")}
     for stamps in per_request:
         for start, end in zip(stamps, stamps[1:]):
             w, m, f = end - start, work.within(start, end), forwards.within(start, end)
-            wall.append(1000 * w)
-            model.append(1000 * m)
-            orchestration.append(1000 * (w - m))
-            beyond_forward.append(1000 * (w - f))
-    return {"gamma": gamma, "rounds": len(wall), "wall_p50": percentile(wall, 0.5),
-            "work_p50": percentile(model, 0.5), "orchestration_p50": percentile(orchestration, 0.5),
-            "orchestration_p99": percentile(orchestration, 0.99),
-            "beyond_forward_p50": percentile(beyond_forward, 0.5), "samples": orchestration}
+            h, c = handlers.within(start, end), calls.within(start, end)
+            for key, value in (("wall", w), ("work", m), ("orchestration", w - m), ("beyond_forward", w - f),
+                               ("service", h - m), ("grpc", c - h), ("store", saves.within(start, end)),
+                               ("rest", w - covered.within(start, end))):
+                parts[key].append(1000 * value)
+    out = {"gamma": gamma, "rounds": len(parts["wall"]), "samples": parts["orchestration"],
+           "orchestration_p99": percentile(parts["orchestration"], 0.99)}
+    out.update({f"{key}_p50": percentile(values, 0.5) for key, values in parts.items()})
+    return out
 
 
 def plot(path: Path, results: dict) -> None:
@@ -229,7 +330,8 @@ def plot(path: Path, results: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, r in results.items():
         if key.startswith("gamma_"):
-            ax.hist(r["samples"], bins=60, alpha=0.6, label=f"γ={r['gamma']} (p50 {r['orchestration_p50']:.2f} ms)")
+            ax.hist(r["samples"], bins=60, alpha=0.6,
+                    label=f"γ={r['gamma']} overlap {r['overlap']} (p50 {r['orchestration_p50']:.2f} ms)")
     ax.axvline(results["bare_two_calls_ms"]["p50"], color="grey", linestyle="--", label="two bare gRPC calls")
     ax.set_xlabel("orchestration per round (ms)")
     ax.set_ylabel("rounds")

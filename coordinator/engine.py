@@ -1,8 +1,17 @@
-"""The speculation loop: propose, verify, commit, stream."""
+"""The speculation loop: propose, verify, commit, store, stream.
+
+Rounds are pipelined: once a round is committed, its session-store write and the start of the
+next round (its Propose, or its Verify when it proposes nothing remotely) run at the same
+time, and the round's chunk is streamed only once the write has completed (commit before
+stream: nothing reaches the client before the store holds it). A request that ends (finish
+reason, error, cancel, lost lease) cancels the round started ahead and waits for it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -76,6 +85,7 @@ class _RoundResult:
     verify_seconds: float
     propose_timed: bool      # the Propose call was a plain round (no catch-up prefill, no resend)
     verified_tokens: int     # tokens the Verify forward took (0 when it was not a plain round)
+    started: float = 0.0     # time.perf_counter() when the round began
     hints_kept: int = 0      # leading drafts that are prompt-lookup hints the draft model kept
 
 
@@ -105,6 +115,10 @@ class _Run:
 
 
 class Engine:
+    # Start the next round while this round's store write runs (see the module docstring).
+    # bench/overhead.py turns it off to measure what it saves.
+    overlap_store = True
+
     def __init__(self, config: CoordinatorConfig, store: SessionStore, routes: Routes, tokenizer: Any,
                  draft_info: ModelDescription, target_info: ModelDescription, metrics: Metrics | None = None):
         self.config = config
@@ -219,8 +233,11 @@ class Engine:
             finished = False
             try:
                 # renewed on a timer, whatever a round takes; lost (taken over) stops the request
-                async with LeaseKeeper(self.store, lease, self.config.session_lease_s / 3) as keeper:
-                    async for chunk in self._run(request, record, lease, added, max_new, mode):
+                async with LeaseKeeper(self.store, lease, self.config.session_lease_s / 3) as keeper, \
+                        contextlib.aclosing(self._run(request, record, lease, added, max_new, mode)) as chunks:
+                    # aclosing: however this ends, the round _run started ahead is gone before
+                    # the caches are released below
+                    async for chunk in chunks:
                         yield chunk
                         if chunk.finish_reason is None:
                             keeper.check()
@@ -256,68 +273,89 @@ class Engine:
         text, streamed, searched = "", 0, 0
         generated: list[int] = []
         finish: str | None = None
-        while finish is None:
-            base = len(record.token_ids)
-            room = self.context_length - base
-            if room <= 0:
-                finish = FINISH_CONTEXT
-                round_tokens: list[int] = []
-            else:
-                round_started = time.perf_counter()
-                cap = max(0, min(self.max_gamma, max_new - len(generated) - 1, room - 1,
-                                 self.draft_info.max_context_length - base))
-                result = await self._round(run, spec, cap, request.params, rng)
-                verdict, drafts = result.verdict, result.drafts
-                round_tokens = []
-                for token in verdict.committed(drafts):
-                    round_tokens.append(token)
-                    generated.append(token)
-                    if token in self.eos_ids and not request.ignore_eos:
-                        finish = FINISH_EOS
-                        break
-                    text += detok.add(token)
-                    hit = stops.find(text, searched)
-                    if hit >= 0:
-                        text, finish = text[:hit], FINISH_STOP
-                        break
-                    searched = len(text)
-                    if len(generated) >= max_new:
-                        finish = FINISH_LENGTH
-                        break
-                run.commit(round_tokens)
-                record.draft_held = min(record.draft_held, len(record.token_ids))
-                record.target_held = min(record.target_held, len(record.token_ids))
-                run.stats.generated_tokens = len(generated)
-                store_started = time.perf_counter()
-                await self.store.save(record, lease)
-                self._observe_round(spec, result, store_started, round_started)
-            if finish is None:
-                end = stops.safe_length(text)
-            else:
-                if finish != FINISH_STOP:
-                    text += detok.flush()  # the last characters may complete a stop string
-                    hit = stops.find(text, searched)
-                    if hit >= 0:
-                        text, finish = text[:hit], FINISH_STOP
-                end = len(text)
-            chunk = Chunk(record.session_id, text[streamed:end] if end > streamed else "", round_tokens)
-            streamed = max(streamed, end)
-            if finish is not None:
-                run.stats.coordinator_seconds = max(
-                    0.0, time.perf_counter() - started - run.stats.draft_seconds - run.stats.target_seconds)
-                chunk.finish_reason, chunk.stats = finish, run.stats
-                record.stats = GenerationStats.from_dict(record.stats).merged(run.stats).to_dict()
-                await self.store.save(record, lease)
-            yield chunk
+        ahead: asyncio.Task | None = None  # the next round, started while this one is stored
+        try:
+            while finish is None:
+                if self.context_length - len(record.token_ids) <= 0:
+                    finish = FINISH_CONTEXT
+                    round_tokens: list[int] = []
+                else:
+                    this_round = ahead if ahead is not None else self._round(
+                        run, spec, self._cap(record, generated, max_new), request.params, rng)
+                    ahead = None  # awaited: done (its result or error taken) however the await ends
+                    result = await this_round
+                    round_tokens = []
+                    for token in result.verdict.committed(result.drafts):
+                        round_tokens.append(token)
+                        generated.append(token)
+                        if token in self.eos_ids and not request.ignore_eos:
+                            finish = FINISH_EOS
+                            break
+                        text += detok.add(token)
+                        hit = stops.find(text, searched)
+                        if hit >= 0:
+                            text, finish = text[:hit], FINISH_STOP
+                            break
+                        searched = len(text)
+                        if len(generated) >= max_new:
+                            finish = FINISH_LENGTH
+                            break
+                    run.commit(round_tokens)
+                    record.draft_held = min(record.draft_held, len(record.token_ids))
+                    record.target_held = min(record.target_held, len(record.token_ids))
+                    run.stats.generated_tokens = len(generated)
+                    self._observe_policy(spec, result)  # before the next round is planned
+                    store_started = time.perf_counter()
+                    committed = dataclasses.replace(record)  # what the store must hold before the chunk goes
+                    if (finish is None and self.overlap_store
+                            and self.context_length - len(record.token_ids) > 0):
+                        ahead = asyncio.ensure_future(self._round(
+                            run, spec, self._cap(record, generated, max_new), request.params, rng))
+                    await self._save_snapshot(record, committed, lease)  # an error cancels `ahead` (finally)
+                    self._observe_metrics(result, store_started)
+                if finish is None:
+                    end = stops.safe_length(text)
+                else:
+                    if finish != FINISH_STOP:
+                        text += detok.flush()  # the last characters may complete a stop string
+                        hit = stops.find(text, searched)
+                        if hit >= 0:
+                            text, finish = text[:hit], FINISH_STOP
+                    end = len(text)
+                chunk = Chunk(record.session_id, text[streamed:end] if end > streamed else "", round_tokens)
+                streamed = max(streamed, end)
+                if finish is not None:
+                    run.stats.coordinator_seconds = max(
+                        0.0, time.perf_counter() - started - run.stats.draft_seconds - run.stats.target_seconds)
+                    chunk.finish_reason, chunk.stats = finish, run.stats
+                    record.stats = GenerationStats.from_dict(record.stats).merged(run.stats).to_dict()
+                    await self.store.save(record, lease)
+                yield chunk
+        finally:
+            if ahead is not None:
+                await _discard(ahead)
+
+    def _cap(self, record: SessionRecord, generated: list[int], max_new: int) -> int:
+        """The most tokens the next round may propose (the context has room for one more)."""
+        base = len(record.token_ids)
+        return max(0, min(self.max_gamma, max_new - len(generated) - 1, self.context_length - base - 1,
+                          self.draft_info.max_context_length - base))
+
+    async def _save_snapshot(self, record: SessionRecord, snapshot: SessionRecord, lease: Lease) -> None:
+        """Store `snapshot`, a shallow copy of `record` taken when a round was committed: the
+        round started meanwhile may move what the services hold (record.*_held, *_address)
+        before the write completes, and the write is not affected. The token list is shared:
+        committed tokens only grow in the loop, between writes, never during one."""
+        await self.store.save(snapshot, lease)
+        record.stored_len, record.updated_at = snapshot.stored_len, snapshot.updated_at
 
     def _forget_other_replicas(self, record: SessionRecord) -> None:
         """KV held by another replica (or none recorded) is worth nothing here."""
         self.routes.place(record)
 
-    def _observe_round(self, spec: RequestSpeculation, result: _RoundResult, store_started: float,
-                       round_started: float) -> None:
-        """Feed a finished round to the request's policy and to the metrics."""
-        now = time.perf_counter()
+    @staticmethod
+    def _observe_policy(spec: RequestSpeculation, result: _RoundResult) -> None:
+        """Feed a finished round to the request's policy."""
         proposed, accepted = len(result.drafts), result.verdict.num_accepted
         propose_s = None
         if result.source == DRAFT and result.propose_timed:
@@ -327,10 +365,15 @@ class Engine:
         spec.observe(result.source, proposed, accepted, propose_seconds=propose_s,
                      verify_seconds=result.verify_seconds if result.verified_tokens else None,
                      verified_tokens=result.verified_tokens or proposed + 1, hints_kept=result.hints_kept)
+
+    def _observe_metrics(self, result: _RoundResult, store_started: float) -> None:
+        """Record a committed and stored round in the metrics."""
+        now = time.perf_counter()
+        proposed, accepted = len(result.drafts), result.verdict.num_accepted
         stages = {"verify": result.verify_seconds, "store": now - store_started}
         if result.plan.source == DRAFT:  # the Propose call, answered or failed
             stages["draft"] = result.draft_seconds
-        stages["coordinator"] = max(0.0, now - round_started - sum(stages.values()))
+        stages["coordinator"] = max(0.0, now - result.started - sum(stages.values()))
         self.metrics.record_round(result.source if proposed else NONE, proposed, accepted, stages)
 
     async def _round(self, run: _Run, spec: RequestSpeculation, cap: int, params: SamplingParams,
@@ -339,6 +382,7 @@ class Engine:
         (prompt lookup makes no draft call; a failing draft makes the round target-only), one
         verification; updates the held lengths. What the draft holds stays as it was when a
         round does not call it: its next call sends what it lacks."""
+        started = time.perf_counter()
         record, stats = run.record, run.stats
         base = len(record.token_ids)
         draft_seed, target_seed = rng.round_seeds()
@@ -374,7 +418,7 @@ class Engine:
             verdict = await self._verify(run, drafts, proposal, params, target_seed)
         except BaseException:
             if prefetch is not None:
-                prefetch.cancel()
+                await _discard(prefetch)
             raise
         verify_s = time.perf_counter() - t0
         if prefetch is not None and await prefetch:
@@ -386,7 +430,7 @@ class Engine:
         record.target_held = base + verdict.num_accepted
         # a plain round sends the target its one new token; more is a prefill or a resend
         verified = lacking + len(drafts) if lacking == 1 and stats.cache_misses == misses else 0
-        return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified,
+        return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified, started,
                             proposal.hints_kept)
 
     async def _prefetch_draft(self, run: _Run, params: SamplingParams, seed: int) -> bool:
@@ -460,3 +504,12 @@ class Engine:
         run.stats.cache_misses += 1
         log.info("%s cache miss for session %s (held %d, assumed %d): resending history",
                  service, session_tag(run.record.session_id), miss.held, prefix)
+
+
+async def _discard(task: asyncio.Future) -> None:
+    """Cancel work whose result is no longer wanted and wait until it has ended (its error, if
+    any, is dropped: the request already ends for its own reason)."""
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: not logged as never retrieved

@@ -24,6 +24,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics, stages: Mapping[str, str] | None = None):
         self.metrics = metrics
         self.stages = dict(stages or {})  # method name -> stage
+        # full method name -> (the handler, its counting wrapper): wrapped once, not per call
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -31,7 +33,14 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         full = handler_call_details.method or ""
         if handler is None or not full.startswith(COUNTED_PREFIX):
             return handler
-        method = full.rsplit("/", 1)[-1]
+        cached = self._wrapped.get(full)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(full.rsplit("/", 1)[-1], handler)
+        self._wrapped[full] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary), handler.request_deserializer,
