@@ -307,6 +307,8 @@ class SessionPolicy:
         if source in SOURCES and proposed > 0:
             if trials:
                 self.sources[source].acceptance.observe(proposed, accepted)
+            else:  # a round all the same: warm-up ends even if its own tokens are never tried
+                self.sources[source].acceptance.rounds += 1
             if trials and source == NGRAM and ngram_order > 0:
                 self.ngram_orders.setdefault(ngram_order, AcceptanceEstimate(self.config.alpha_decay)).observe(
                     proposed, accepted)

@@ -74,7 +74,7 @@ class RequestSpeculation:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
-        self.draft_hints = draft_hints and mode == "auto"
+        self.draft_hints = draft_hints and mode == "auto" and fixed_gamma is None  # a fixed γ is γ tokens
         self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
         self._order = 0  # the match length of the planned n-gram round
 

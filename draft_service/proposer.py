@@ -48,11 +48,12 @@ class _Drafting:
     tokens: list[int] = field(default_factory=list)
     dists: list[SparseDist] = field(default_factory=list)
     hints_kept: int = 0  # leading tokens that are hints the draft agreed with
+    stopped: bool = False  # its cache could not drop rejected hints: no more steps
 
     @property
     def done(self) -> bool:
         """γ steps drafted: each step proposes one token of its own, the kept hints come free."""
-        return len(self.tokens) >= self.call.gamma + self.hints_kept
+        return self.stopped or len(self.tokens) >= self.call.gamma + self.hints_kept
 
     def add(self, token: int, dist: SparseDist) -> None:
         self.tokens.append(token)
@@ -100,7 +101,7 @@ class ModelProposer:
                 if i < len(hints):
                     is_hint = row_ids == hints[i]
                     q_hint = float(row_probs[is_hint].sum())
-                    if float(torch.rand((), generator=generator)) < q_hint:
+                    if float(torch.rand((), generator=generator, device=generator.device)) < q_hint:
                         drafting.add(hints[i], dist)
                         continue
                     kept, row_probs = i, row_probs.masked_fill(is_hint, 0.0)  # q without the hint
@@ -109,7 +110,10 @@ class ModelProposer:
                 break
         drafting.hints_kept = kept
         if not drafting.entry.crop(len(drafting.entry) - (len(hints) - kept)):  # drop the rejected hints
-            self.runner.caches.discard(drafting.call.session_id, drafting.entry)  # next call: a miss
+            # a cache that cannot crop still holds them: drop it (the next call is a miss) and
+            # end this call here, so no token is drafted after the rejected hints
+            self.runner.caches.discard(drafting.call.session_id, drafting.entry)
+            drafting.stopped = True
 
     def _draw_all(self, live: Sequence[_Drafting], logits: Sequence[torch.Tensor]) -> None:
         """One drafted token for every call: per call its token and the sparse q it was drawn

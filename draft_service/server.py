@@ -30,7 +30,7 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
     runner = runner_from_config(config)
     worker = ModelWorker(config.max_queue, name="draft-model")
     proposer = ModelProposer(runner, config.proposal_top_k)
-    scheduler = batch_scheduler(config, worker, proposer.propose_batch, lambda call: len(call.new_tokens))
+    scheduler = batch_scheduler(config, worker, proposer.propose_batch, lambda call: len(call.new_tokens) + len(call.hints))
     servicer = DraftServicer(proposer, runner.description, scheduler,
                              lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
     server, port = serve_model(config, "draft", DEFAULT_PORT, servicer,

@@ -83,11 +83,12 @@ def test_bad_settings():
 
 def test_auto_draft_plans_carry_lookup_hints_and_draft_plans_do_not():
     spec = speculation(cost_ratio=0.1)
-    auto = spec.start("a", "auto", 3)
-    plan = auto.plan(HISTORY, cap=6, draft_available=True)  # warm-up: the draft first
-    assert (plan.source, plan.gamma, plan.tokens) == ("draft", 3, [8, 1, 2])  # cap - γ hints
-    assert spec.start("b", "draft", 3).plan(HISTORY, 6, True).tokens == []
-    assert Speculation(8, 4, 3, 8, cost_ratio=0.1, draft_hints=False).start("c", "auto", 3).plan(
+    auto = spec.start("a", "auto", None)
+    plan = auto.plan(HISTORY, cap=6, draft_available=True)  # warm-up at γ = 4: the draft first
+    assert (plan.source, plan.gamma, plan.tokens) == ("draft", 4, [8, 1])  # cap - γ hints
+    assert spec.start("b", "draft", None).plan(HISTORY, 6, True).tokens == []
+    assert spec.start("c", "auto", 3).plan(HISTORY, 6, True).tokens == []  # a fixed γ proposes γ
+    assert Speculation(8, 4, 3, 8, cost_ratio=0.1, draft_hints=False).start("d", "auto", None).plan(
         HISTORY, 6, True).tokens == []
 
 
@@ -100,7 +101,8 @@ def test_kept_hints_are_left_out_of_the_drafts_alpha():
     assert (estimate.successes, estimate.trials) == (1, 2)
     # the target rejected a kept hint: the draft's own tokens were never tried
     request.observe("draft", 5, 1, propose_seconds=None, verify_seconds=None, verified_tokens=6, hints_kept=2)
-    assert estimate.rounds == 1 and spec.priors["draft"].rounds == 1
+    assert (estimate.successes, estimate.trials) == (1, 2) and spec.priors["draft"].rounds == 1
+    assert estimate.rounds == 2  # still a round: the draft's warm-up ends all the same
 
 
 def test_lookup_alpha_per_match_length_reaches_new_sessions():

@@ -14,10 +14,12 @@ import time
 from array import array
 from typing import Any, Protocol, Sequence, TypeVar
 
+from specdec.errors import CacheMiss
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.scheduler import BatchScheduler
 
 R = TypeVar("R")
+PREFILL_ATTEMPTS = 3  # prefills of one call whose session was evicted before its final step
 
 
 class SessionCall(Protocol):
@@ -37,18 +39,29 @@ def deadline_of(context: Any) -> float | None:
 
 
 async def run_call(scheduler: BatchScheduler, runner: ModelRunner, call: C, deadline: float | None) -> R:
-    """Prefill the call's input in chunks when it is long, then run its final step in a batch."""
+    """Prefill the call's input in chunks when it is long, then run its final step in a batch.
+
+    The session can be evicted between the last chunk and the final step (other sessions' calls
+    run in between and the cache budget holds): the prefill then runs again, a bounded number of
+    times, rather than answering the caller's complete history with a cache miss."""
     worker = scheduler.worker
-    if runner.needs_prefill_steps(call.new_tokens):
-        held = await worker.run(runner.held_prefix, call.session_id, call.prefix_len, call.prefix_hash,
-                                deadline=deadline)
-        sequence = held + array("i", call.new_tokens)
-        upto = len(sequence) - 1  # the last token runs with the final step, for its logits
+    if not runner.needs_prefill_steps(call.new_tokens):
+        return await scheduler.run(call, deadline)
+    held = await worker.run(runner.held_prefix, call.session_id, call.prefix_len, call.prefix_hash,
+                            deadline=deadline)
+    sequence = held + array("i", call.new_tokens)
+    upto = len(sequence) - 1  # the last token runs with the final step, for its logits
+    for attempt in range(PREFILL_ATTEMPTS):
         while True:
             length, prefix_hash = await worker.run(runner.prefill_step, call.session_id, sequence, upto,
                                                    deadline=deadline)
             if length >= upto:
                 break
-        call = dataclasses.replace(call, prefix_len=upto, prefix_hash=prefix_hash,
-                                   new_tokens=sequence[upto:].tolist())
-    return await scheduler.run(call, deadline)
+        final = dataclasses.replace(call, prefix_len=upto, prefix_hash=prefix_hash,
+                                    new_tokens=sequence[upto:].tolist())
+        try:
+            return await scheduler.run(final, deadline)
+        except CacheMiss:
+            if attempt == PREFILL_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")

@@ -53,7 +53,7 @@ class ModelRunner:
         self.caches = caches
         self.prefill_chunk = max(1, prefill_chunk)
         self.tokens_run = 0  # tokens forwarded since start (prefill work included)
-        head = self.model.get_output_embeddings()  # out_features: a quantized head's weight is a method
+        head = self.model.get_output_embeddings()  # out_features: an int8 head has no .weight
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.embedding_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = max_context_length(self.model, loaded.tokenizer)
