@@ -113,7 +113,11 @@ class LinearFit:
     """y ≈ a + b·x by exponentially weighted least squares (a, b >= 0).
 
     While x has (almost) not varied the slope is unknown: `degenerate` says what to assume —
-    "flat" (b = 0, y = mean) or "proportional" (a = 0, y = mean·x / mean_x).
+    "flat" (b = 0, y = mean) or "proportional" (a = 0, y = mean·x / mean_x). A fit with a
+    negative intercept is noise, not a cost (no call takes negative time with no tokens): it gets
+    the same assumption. (A verify fit falling back to "proportional" there would price every
+    speculative round at γ + 1 plain steps, and one noisy slow round would switch speculation off
+    until the slow probes brought it back.)
     """
 
     MIN_VARIANCE = 0.01  # x is a token count: below this it has not really varied
@@ -140,7 +144,6 @@ class LinearFit:
             a = my - b * mx
             if a >= 0:
                 return a, b
-            return 0.0, (my / mx if mx > 0 else 0.0)
         if self.degenerate == "proportional" and mx > 0:
             return 0.0, my / mx
         return my, 0.0

@@ -251,3 +251,18 @@ def test_ngram_alpha_is_kept_per_match_length():
     assert policy.choose(ngram_available=8, ngram_order=1, draft_available=False).source == "none"
     # a length without its own trials yet: the overall estimate
     assert policy.ngram_alpha(2) == policy.alpha("ngram")
+
+
+def test_a_fit_with_a_negative_intercept_falls_back_to_its_assumption():
+    """Noise (a slow moment during a long verification) can tilt a fit below zero at n = 0: a
+    verify fit then stays flat instead of pricing a round at γ + 1 plain steps."""
+    verify = LinearFit(decay=0.9, degenerate="flat")
+    for n, seconds in ((2, 0.10), (2, 0.10), (3, 0.30), (2, 0.10)):  # a line through (0, -0.3)
+        verify.observe(n, seconds)
+    a, b = verify.coefficients()
+    assert b == 0.0 and a == pytest.approx(verify.sy / verify.w)
+    propose = LinearFit(decay=0.9, degenerate="proportional")
+    for n, seconds in ((2, 0.02), (2, 0.02), (3, 0.20)):
+        propose.observe(n, seconds)
+    a, b = propose.coefficients()
+    assert a == 0.0 and b == pytest.approx((propose.sy / propose.w) / (propose.sx / propose.w))
