@@ -87,6 +87,7 @@ class _RoundResult:
     verified_tokens: int     # tokens the Verify forward took (0 when it was not a plain round)
     started: float = 0.0     # time.perf_counter() when the round began
     hints_kept: int = 0      # leading drafts that are prompt-lookup hints the draft model kept
+    batch_tokens: int = 0    # tokens verified across this coordinator's generations meanwhile
 
 
 @dataclass
@@ -135,6 +136,8 @@ class Engine:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.context_length - 1,
                                      self.context_length - 1)
         self.active = 0  # requests generating now
+        self.verifying_tokens = 0  # tokens of the Verify calls in flight (what the target batches)
+        self.verifying_tokens = 0  # tokens of the Verify calls in flight (what the target batches)
         self.metrics = metrics or Metrics("coordinator")
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
@@ -364,7 +367,8 @@ class Engine:
             propose_s = result.plan.propose_seconds
         spec.observe(result.source, proposed, accepted, propose_seconds=propose_s,
                      verify_seconds=result.verify_seconds if result.verified_tokens else None,
-                     verified_tokens=result.verified_tokens or proposed + 1, hints_kept=result.hints_kept)
+                     verified_tokens=result.verified_tokens or proposed + 1, hints_kept=result.hints_kept,
+                     batch_tokens=result.batch_tokens)
 
     def _observe_metrics(self, result: _RoundResult, store_started: float) -> None:
         """Record a committed and stored round in the metrics."""
@@ -389,6 +393,7 @@ class Engine:
         draft_up = self.routes.usable("draft")
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
+        spec.load = max(1, self.active)  # the generations whose rounds share the target's batches
         plan = spec.plan(record.token_ids, cap, draft_up)
         proposal, draft_s, propose_timed = Proposal([], []), 0.0, False
         if plan.source == NGRAM:
@@ -414,12 +419,17 @@ class Engine:
             prefetch = asyncio.ensure_future(self._prefetch_draft(run, params, draft_seed))
         lacking, misses = base - min(record.target_held, base - 1), stats.cache_misses
         t0 = time.perf_counter()
+        own = len(drafts) + 1
+        self.verifying_tokens += own
+        batch_tokens = self.verifying_tokens  # this round's and the other generations' in flight
         try:
             verdict = await self._verify(run, drafts, proposal, params, target_seed)
         except BaseException:
             if prefetch is not None:
                 await _discard(prefetch)
             raise
+        finally:
+            self.verifying_tokens -= own
         verify_s = time.perf_counter() - t0
         if prefetch is not None and await prefetch:
             record.draft_held = base
@@ -431,7 +441,7 @@ class Engine:
         # a plain round sends the target its one new token; more is a prefill or a resend
         verified = lacking + len(drafts) if lacking == 1 and stats.cache_misses == misses else 0
         return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified, started,
-                            proposal.hints_kept)
+                            proposal.hints_kept, batch_tokens)
 
     async def _prefetch_draft(self, run: _Run, params: SamplingParams, seed: int) -> bool:
         """The first round of a request that does not use the draft still sends it the history

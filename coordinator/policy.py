@@ -15,6 +15,15 @@ estimate of α (exponentially forgetting per-position accept/reject trials), and
 sessions), and each round picks the source and γ with the largest speedup — or no speculation
 ("none", γ = 0) when nothing beats plain decoding.
 
+Under load the target runs many sessions' verifications as one batched forward whose time
+grows with the batch's tokens, and every session speculating makes every batch bigger: a
+session's own view (its verify takes as long with 1 token as with 5, the batch is what costs)
+would keep γ high while γ = 0 gives more tokens per second in total. So verify timings are
+fitted against the tokens being verified at the time across the coordinator's generations
+(`batch_tokens`: what a batched forward of them runs), and with `load` generations running a
+round's cost compares t_verify at load·(γ + 1) tokens with t_verify at load·1 — the cost if
+every generation made the same choice: γ falls as the batch stops being free.
+
 Prompt lookup's α also depends on how long a suffix it matched: a 3-token match inside a
 copied passage is right far more often than a 1-token match in new text. So its α is kept per
 match length n as well, and a round uses the estimate for the n it matched once that has
@@ -168,17 +177,19 @@ class CostModel:
     def observe_propose(self, source: str, gamma: int, seconds: float) -> None:
         self.propose[source].observe(gamma, seconds)
 
-    def relative_cost(self, source: str, gamma: int) -> float:
-        """(t_propose(γ) + t_verify(γ + 1)) / t_verify(1): a round's cost in plain-decode steps.
+    def relative_cost(self, source: str, gamma: int, load: int = 1) -> float:
+        """(t_propose(γ) + t_verify(load·(γ + 1))) / t_verify(load): a round's cost in plain-decode
+        steps when `load` alike sessions share the target's batches.
 
         Unmeasured: the draft costs `default_cost_ratio` per token, the n-gram nothing, and
         verification is flat."""
-        return self.relative_costs(source, max(gamma, 0))[-1]
+        return self.relative_costs(source, max(gamma, 0), load)[-1]
 
-    def relative_costs(self, source: str, max_gamma: int) -> list[float]:
-        """`relative_cost(source, γ)` for γ = 0 .. max_gamma (the fits solved once)."""
+    def relative_costs(self, source: str, max_gamma: int, load: int = 1) -> list[float]:
+        """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""
         verify, propose = self.verify.coefficients(), self.propose[source].coefficients()
-        t1 = None if verify is None else verify[0] + verify[1]
+        load = max(1, load)
+        t1 = None if verify is None else verify[0] + verify[1] * load
         default = self.default_cost_ratio if source == DRAFT else 0.0
         costs = [1.0]
         for gamma in range(1, max_gamma + 1):
@@ -186,7 +197,7 @@ class CostModel:
                 costs.append(1.0 + default * gamma)
                 continue
             t_propose = default * gamma * t1 if propose is None else propose[0] + propose[1] * gamma
-            costs.append((t_propose + verify[0] + verify[1] * (gamma + 1)) / t1)
+            costs.append((t_propose + verify[0] + verify[1] * load * (gamma + 1)) / t1)
         return costs
 
 
@@ -270,12 +281,13 @@ class SessionPolicy:
 
     def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
                draft_available: bool = True, mode: str = "auto",
-               fixed_gamma: int | None = None, ngram_order: int = 0) -> Choice:
+               fixed_gamma: int | None = None, ngram_order: int = 0, load: int = 1) -> Choice:
         """The source and γ of the next round.
 
         max_gamma: this round's cap (tokens left, context room, the services' limits);
         ngram_available: how many tokens the n-gram proposer has for this round;
         ngram_order: the length of the suffix it matched (0: unknown);
+        load: generations sharing the target now (this one included);
         draft_available: False while the draft tier is failing;
         mode / fixed_gamma: the request's override (fixed source and / or fixed γ).
         """
@@ -291,17 +303,21 @@ class SessionPolicy:
             return self._chose(caps, Choice(NONE, 0, "unavailable"))
         if fixed_gamma is not None and mode != "auto":
             return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
-        return self._chose(caps, self._explore(caps, fixed_gamma) or self._best(caps, fixed_gamma, ngram_order))
+        return self._chose(caps, self._explore(caps, fixed_gamma)
+                           or self._best(caps, fixed_gamma, ngram_order, load))
 
     def observe(self, source: str, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
-                verified_tokens: int | None = None, trials: bool = True, ngram_order: int = 0) -> None:
+                verified_tokens: int | None = None, trials: bool = True, ngram_order: int = 0,
+                batch_tokens: int | None = None) -> None:
         """After a round: what was proposed and accepted, and (optionally) how long it took.
 
         verified_tokens: the tokens the target's forward pass took (default proposed + 1).
         Pass None as a time to leave a round out of the timings (a resend after a cache miss).
         trials=False: the proposals were never tried (the round ended before them), so α is
         left as it was; the timings still count. ngram_order: a prompt-lookup round's match length.
+        batch_tokens: the tokens verified across the coordinator's generations while this round's
+        were (its own included; default verified_tokens): what the verify time is fitted against.
         """
         if source not in (*SOURCES, NONE):
             raise ValueError(f"source must be draft, ngram or none, got {source!r}")
@@ -320,7 +336,7 @@ class SessionPolicy:
         tokens = proposed + 1 if verified_tokens is None else verified_tokens
         limit = self.config.max_timed_tokens or self.config.max_gamma + 1
         if verify_seconds is not None and 0 < tokens <= limit:
-            self.costs.observe_verify(tokens, verify_seconds)
+            self.costs.observe_verify(max(tokens, batch_tokens or 0), verify_seconds)
 
     def _caps(self, mode: str, cap: int, ngram_available: int,
               draft_available: bool) -> dict[str, int]:
@@ -345,7 +361,8 @@ class SessionPolicy:
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None
 
-    def _best(self, caps: dict[str, int], fixed_gamma: int | None, ngram_order: int = 0) -> Choice:
+    def _best(self, caps: dict[str, int], fixed_gamma: int | None, ngram_order: int = 0,
+              load: int = 1) -> Choice:
         """The eligible source and γ with the largest estimated speedup; none when no source
         beats plain decoding (with a fixed γ a source is always used)."""
         options = []
@@ -353,9 +370,9 @@ class SessionPolicy:
             alpha = (self.ngram_alpha(ngram_order) if source == NGRAM else self.alpha(source)) or 0.0
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
-                speedup = expected_tokens(alpha, gamma) / self.costs.relative_cost(source, gamma)
+                speedup = expected_tokens(alpha, gamma) / self.costs.relative_cost(source, gamma, load)
             else:
-                costs = self.costs.relative_costs(source, min(cap, self.config.max_gamma))
+                costs = self.costs.relative_costs(source, min(cap, self.config.max_gamma), load)
                 gamma, speedup = _argmax_speedup(alpha, costs)
             if gamma > 0:
                 options.append(Choice(source, gamma, "best", speedup))

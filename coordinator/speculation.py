@@ -42,7 +42,7 @@ class FixedCosts(CostModel):
         super().__init__()
         self.cost_ratio = cost_ratio
 
-    def relative_costs(self, source: str, max_gamma: int) -> list[float]:
+    def relative_costs(self, source: str, max_gamma: int, load: int = 1) -> list[float]:
         c = self.cost_ratio if source == DRAFT else 0.0
         return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
 
@@ -77,6 +77,7 @@ class RequestSpeculation:
         self.draft_hints = draft_hints and mode == "auto" and fixed_gamma is None  # a fixed γ is γ tokens
         self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
         self._order = 0  # the match length of the planned n-gram round
+        self.load = 1  # generations sharing the target (set by the engine before each plan)
 
     @property
     def uses_draft(self) -> bool:
@@ -92,7 +93,7 @@ class RequestSpeculation:
         self._order = self.ngram.last_order if candidates else 0
         choice = self.policy.choose(max_gamma=cap, ngram_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
-                                    fixed_gamma=self.fixed_gamma, ngram_order=self._order)
+                                    fixed_gamma=self.fixed_gamma, ngram_order=self._order, load=self.load)
         if choice.source == NGRAM:
             return Plan(NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
                         time.perf_counter() - t0)
@@ -102,7 +103,7 @@ class RequestSpeculation:
 
     def observe(self, source: str, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
-                verified_tokens: int, hints_kept: int = 0) -> None:
+                verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None) -> None:
         """After a round: `source` proposed `proposed` tokens (0 when it fell back to plain
         decoding), `accepted` of them kept; a draft round's first `hints_kept` were hints it
         kept. A time of None leaves the round out of the timings (a catch-up prefill, a resend
@@ -117,7 +118,7 @@ class RequestSpeculation:
         order = self._order if source == NGRAM else 0
         self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
-                            ngram_order=order)
+                            ngram_order=order, batch_tokens=batch_tokens)
         if source == NGRAM:
             self.ngram.observe(proposed, accepted)
         if source in self.priors and tried:

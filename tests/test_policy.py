@@ -266,3 +266,28 @@ def test_a_fit_with_a_negative_intercept_falls_back_to_its_assumption():
         propose.observe(n, seconds)
     a, b = propose.coefficients()
     assert a == 0.0 and b == pytest.approx((propose.sy / propose.w) / (propose.sx / propose.w))
+
+
+def test_gamma_falls_under_load_when_the_batch_stops_being_free():
+    """The target's batched forward costs 0.1 s + 0.004 s per token in the batch. Alone, γ + 1
+    tokens cost about as much as 1 and speculation pays. With 32 sessions the batch holds the
+    others' tokens too (here drawn independently of this session's γ, so its own γ barely moves
+    its verify time): fitted against the batch's tokens, the cost of every session speculating
+    shows, and γ falls."""
+    def run(load: int, rounds: int = 300) -> list:
+        policy = SessionPolicy(PolicyConfig(max_gamma=8), CostModel(default_cost_ratio=0.05))
+        rng = random.Random(load)
+        choices = []
+        for _ in range(rounds):
+            choice = policy.choose(ngram_available=0, load=load)
+            source, gamma = choice
+            accepted = accepted_count(rng, 0.7, gamma)
+            batch = gamma + 1 + sum(rng.randint(1, 7) for _ in range(load - 1))  # the others' tokens
+            policy.observe(source, gamma, accepted, propose_seconds=0.005 * gamma if gamma else None,
+                           verify_seconds=0.1 + 0.004 * batch, verified_tokens=gamma + 1, batch_tokens=batch)
+            choices.append(choice)
+        return choices[-100:]
+
+    alone, crowded = run(1), run(32)
+    assert sum(c.gamma for c in alone) / 100 >= 2.5
+    assert sum(c.gamma for c in crowded) / 100 <= 0.5  # mostly plain rounds (and the odd probe)
