@@ -31,6 +31,7 @@ from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 from coordinator.chat import render_messages
 from coordinator.clients import release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
+from coordinator.governor import LoadGovernor
 from coordinator.lease_keeper import LeaseKeeper
 from coordinator.policy import DRAFT, NGRAM, NONE
 from coordinator.routing import Routes
@@ -137,7 +138,7 @@ class Engine:
                                      self.context_length - 1)
         self.active = 0  # requests generating now
         self.verifying_tokens = 0  # tokens of the Verify calls in flight (what the target batches)
-        self.verifying_tokens = 0  # tokens of the Verify calls in flight (what the target batches)
+        self.governor = LoadGovernor() if config.load_governor else None
         self.metrics = metrics or Metrics("coordinator")
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
@@ -304,6 +305,8 @@ class Engine:
                             finish = FINISH_LENGTH
                             break
                     run.commit(round_tokens)
+                    if self.governor is not None:
+                        self.governor.record(len(round_tokens))
                     record.draft_held = min(record.draft_held, len(record.token_ids))
                     record.target_held = min(record.target_held, len(record.token_ids))
                     run.stats.generated_tokens = len(generated)
@@ -394,7 +397,8 @@ class Engine:
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches
-        plan = spec.plan(record.token_ids, cap, draft_up)
+        allowed = self.governor is None or self.governor.speculate(self.active)
+        plan = spec.plan(record.token_ids, cap, draft_up, allowed)
         proposal, draft_s, propose_timed = Proposal([], []), 0.0, False
         if plan.source == NGRAM:
             proposal = Proposal(list(plan.tokens), one_hot_dists(plan.tokens))

@@ -84,8 +84,12 @@ class RequestSpeculation:
         """Whether this request may call the draft model at all."""
         return self.mode in ("auto", DRAFT) and self.fixed_gamma != 0
 
-    def plan(self, history: Sequence[int], cap: int, draft_available: bool) -> Plan:
-        """The next round's source and γ (at most `cap`: tokens left, context room, limits)."""
+    def plan(self, history: Sequence[int], cap: int, draft_available: bool, allowed: bool = True) -> Plan:
+        """The next round's source and γ (at most `cap`: tokens left, context room, limits).
+        allowed=False: the coordinator measured that speculation does not pay under the current
+        load (governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
+        if not allowed and self.fixed_gamma is None and self.mode == "auto":
+            return Plan(NONE, 0, [], "load")
         t0 = time.perf_counter()
         candidates: list[int] = []
         if self.mode in ("auto", NGRAM) and cap > 0 and self.fixed_gamma != 0:

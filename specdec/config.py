@@ -118,6 +118,9 @@ class CoordinatorConfig(ServerTlsConfig):
     ngram_max: int = opt(3, "longest n-gram prompt lookup matches against the session's history "
                          "(it tries n = this .. 1)")
     ngram_max_tokens: int = opt(16, "most tokens one prompt lookup proposes")
+    load_governor: bool = opt(True, "while 2+ generations run, compare the coordinator's tokens/s with "
+                              "and without speculation in short trials and keep the better for a "
+                              "minute (requests that fix γ or the proposer are left alone)")
     draft_hints: bool = opt(True, "under proposer auto, send prompt lookup's tokens with a draft-model "
                             "round as hints: the draft keeps those it agrees with at no extra step")
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
