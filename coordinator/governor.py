@@ -8,9 +8,10 @@ it pay (measured on the 2-core dev machine with the real pair: 16 sessions at th
 policy made 0.6× the tokens per second of γ = 0).
 
 `LoadGovernor` settles it by measurement. While at least `min_load` generations run, it
-alternates two short trial epochs — speculation as the policies choose it, then plain decoding
+alternates two trial epochs — speculation as the policies choose it, then plain decoding
 (γ = 0) for every adaptive request — compares the tokens per second the coordinator committed
-in each, and keeps the winner for `hold_s` before trying again. A single stream is left to its
+in each, and keeps the winner for `hold_s` before trying again. The first `settle_s` of an
+epoch are not counted: rounds planned under the previous mode are still committing then. A single stream is left to its
 own policy. Requests that fix γ or the proposer are never overridden.
 """
 
@@ -26,13 +27,16 @@ SPECULATE, PLAIN = "speculate", "plain"
 @dataclass
 class LoadGovernor:
     min_load: int = 2          # generations running before the governor decides
-    epoch_s: float = 2.0       # length of each trial epoch
+    epoch_s: float = 6.0       # length of each trial epoch
+    settle_s: float = 2.0      # its first seconds, not counted (the previous mode's rounds end)
     hold_s: float = 60.0       # how long the winner holds before the next trial
     clock: Callable[[], float] = time.monotonic
     mode: str = SPECULATE      # what adaptive requests do now
     phase: str = "idle"        # idle | trial-speculate | trial-plain | hold
     rates: dict = field(default_factory=dict)  # tokens/s measured per mode in the last trial
     _started: float = 0.0
+    _counted_from: float = 0.0
+    _counting: bool = False
     _tokens: int = 0
 
     def speculate(self, load: int) -> bool:
@@ -44,8 +48,10 @@ class LoadGovernor:
             return True
         if self.phase == "idle" or (self.phase == "hold" and now - self._started >= self.hold_s):
             self._begin("trial-speculate", SPECULATE, now)
+        elif self.phase.startswith("trial") and not self._counting and now - self._started >= self.settle_s:
+            self._counting, self._tokens, self._counted_from = True, 0, now
         elif self.phase.startswith("trial") and now - self._started >= self.epoch_s:
-            self.rates[self.mode] = self._tokens / (now - self._started)
+            self.rates[self.mode] = self._tokens / max(now - self._counted_from, 1e-9)
             if self.phase == "trial-speculate":
                 self._begin("trial-plain", PLAIN, now)
             else:
@@ -59,3 +65,4 @@ class LoadGovernor:
 
     def _begin(self, phase: str, mode: str, now: float) -> None:
         self.phase, self.mode, self._started, self._tokens = phase, mode, now, 0
+        self._counting, self._counted_from = self.settle_s <= 0, now

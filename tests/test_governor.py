@@ -18,9 +18,15 @@ def trial(governor: LoadGovernor, clock: Clock, load: int, speculating_rate: flo
     """Run one trial pair: each epoch commits tokens at the rate of the mode in force."""
     for _ in range(2):
         speculating = governor.speculate(load)
-        for _ in range(10):  # rounds spread over the epoch
-            clock.now += governor.epoch_s / 10
-            governor.record(round((speculating_rate if speculating else plain_rate) * governor.epoch_s / 10))
+        for i in range(20):  # rounds spread over the epoch; the governor is asked before each
+            clock.now += governor.epoch_s / 20
+            rate = speculating_rate if speculating else plain_rate
+            if i < 5:  # settling: the previous mode's rounds, not this mode's, commit now
+                rate = plain_rate if speculating else speculating_rate
+            governor.record(round(rate * governor.epoch_s / 20))
+            if i < 19:
+                assert governor.speculate(load) == speculating
+        clock.now += 0.01  # past the epoch's end (no float rounding short of it)
     governor.speculate(load)  # the second epoch ends: the winner is chosen
 
 
@@ -32,10 +38,11 @@ def test_a_single_stream_is_left_to_its_policy():
 
 def test_plain_decoding_wins_when_it_commits_more_tokens_and_holds():
     clock = Clock()
-    governor = LoadGovernor(clock=clock, epoch_s=2.0, hold_s=60.0)
+    governor = LoadGovernor(clock=clock, epoch_s=6.0, settle_s=2.0, hold_s=60.0)
     trial(governor, clock, 16, speculating_rate=19.0, plain_rate=33.0)
     assert (governor.phase, governor.mode) == ("hold", PLAIN)
     assert governor.rates[SPECULATE] < governor.rates[PLAIN]
+    assert abs(governor.rates[PLAIN] - 33.0) < 2 and abs(governor.rates[SPECULATE] - 19.0) < 2  # settled
     clock.now += 59.0
     assert governor.speculate(1)  # a lone stream meanwhile: its own policy
     assert not governor.speculate(16)  # still held
@@ -55,7 +62,9 @@ def test_a_trial_stops_when_the_load_goes():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
     governor.speculate(8)
-    clock.now += 2.5
+    clock.now += 3.0
+    governor.speculate(8)  # settled: counting
+    clock.now += 3.5
     assert not governor.speculate(8)  # the plain epoch
     assert governor.speculate(1) and governor.phase == "idle"
 
