@@ -17,11 +17,13 @@ own policy. Requests that fix γ or the proposer are never overridden.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 SPECULATE, PLAIN = "speculate", "plain"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +58,8 @@ class LoadGovernor:
                 self._begin("trial-plain", PLAIN, now)
             else:
                 best = SPECULATE if self.rates[SPECULATE] >= self.rates[PLAIN] else PLAIN
+                log.info("load %d: %.1f tok/s speculating, %.1f plain: %s for %.0f s", load,
+                         self.rates[SPECULATE], self.rates[PLAIN], best, self.hold_s)
                 self._begin("hold", best, now)
         return self.mode == SPECULATE
 
