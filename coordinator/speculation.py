@@ -69,13 +69,14 @@ class RequestSpeculation:
 
     def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: str,
                  fixed_gamma: int | None, priors: dict[str, AcceptanceEstimate] | None = None,
-                 draft_hints: bool = True) -> None:
+                 draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
         self.draft_hints = draft_hints and mode == "auto" and fixed_gamma is None  # a fixed γ is γ tokens
-        self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
+        # prompt lookup's α per match length over all sessions (fed here, read by new sessions)
+        self.order_priors = order_priors if order_priors is not None else {}
         self._order = 0  # the match length of the planned n-gram round
         self.load = 1  # generations sharing the target (set by the engine before each plan)
 
@@ -174,7 +175,5 @@ class Speculation:
 
     def start(self, session_id: str, mode: str, fixed_gamma: int | None) -> RequestSpeculation:
         ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
-        request = RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
-                                     self.draft_hints)
-        request.order_priors = self.order_priors
-        return request
+        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
+                                  self.draft_hints, self.order_priors)
