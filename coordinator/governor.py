@@ -11,8 +11,9 @@ policy made 0.6× the tokens per second of γ = 0).
 alternates two trial epochs — speculation as the policies choose it, then plain decoding
 (γ = 0) for every adaptive request — compares the tokens per second the coordinator committed
 in each, and keeps the winner for `hold_s` before trying again. The first `settle_s` of an
-epoch are not counted: rounds planned under the previous mode are still committing then. A single stream is left to its
-own policy. Requests that fix γ or the proposer are never overridden.
+epoch are not counted: rounds planned under the previous mode are still committing then. A
+single stream is left to its own policy. Requests that fix γ or the proposer are never
+overridden.
 """
 
 from __future__ import annotations

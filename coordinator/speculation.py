@@ -61,7 +61,7 @@ class Plan:
 def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
     """The proposal distribution of deterministic drafts: q(d) = 1. The acceptance step then
     accepts d with probability p(d) and recovers from p with d removed: lossless."""
-    return [SparseDist((int(token),), (1.0,)) for token in tokens]
+    return [SparseDist.one_hot(token) for token in tokens]
 
 
 class RequestSpeculation:

@@ -89,8 +89,8 @@ class ModelProposer:
             argmax = logits.argmax(dim=-1).tolist()  # [hints + 1]
             kept = next((i for i, hint in enumerate(hints) if argmax[i] != hint), len(hints))
             for i in range(kept):
-                drafting.add(hints[i], SparseDist((hints[i],), (1.0,)))
-            drafting.add(argmax[kept], SparseDist((argmax[kept],), (1.0,)))
+                drafting.add(hints[i], SparseDist.one_hot(hints[i]))
+            drafting.add(argmax[kept], SparseDist.one_hot(argmax[kept]))
         else:
             ids, probs = proposal_top_k(logits, params, self.proposal_top_k)  # [hints + 1, K]
             kept = len(hints)
@@ -126,7 +126,7 @@ class ModelProposer:
             stacked = torch.cat([logits[i] for i in members])  # [g, vocab]
             if params.greedy:
                 for i, token in zip(members, stacked.argmax(dim=-1).tolist()):
-                    live[i].add(token, SparseDist((token,), (1.0,)))
+                    live[i].add(token, SparseDist.one_hot(token))
                 continue
             ids, probs = proposal_top_k(stacked, params, self.proposal_top_k)  # [g, K]
             for row, i in enumerate(members):
@@ -154,16 +154,18 @@ class ModelProposer:
             rows.append(Row(call.session_id, entry, [*feed, *call.hints], 1 + len(call.hints)))
         while live:
             try:
-                logits = runner.forward_batch(rows)  # per row [1, vocab]
+                logits = runner.forward_batch(rows)  # per row [keep_logits, vocab]
             except Exception as exc:  # noqa: BLE001 - every call in the forward failed with it
                 for drafting in live:
                     results[drafting.index] = exc
                 break
             try:
-                hinted = [i for i, row in enumerate(rows) if row.keep_logits > 1]
-                for i in hinted:
-                    self._check_hints(live[i], logits[i])
-                plain = [i for i in range(len(live)) if rows[i].keep_logits == 1]
+                plain: list[int] = []
+                for i, row in enumerate(rows):
+                    if row.keep_logits > 1:  # a first step with hints
+                        self._check_hints(live[i], logits[i])
+                    else:
+                        plain.append(i)
                 self._draw_all([live[i] for i in plain], [logits[i] for i in plain])
             except Exception as exc:  # noqa: BLE001 - a bug: the calls drafting now fail with it
                 for drafting in live:

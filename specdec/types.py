@@ -43,6 +43,11 @@ class SparseDist:
     token_ids: tuple[int, ...]
     probs: tuple[float, ...]
 
+    @classmethod
+    def one_hot(cls, token: int) -> "SparseDist":
+        """All mass on one token: a greedy draft's q, or a deterministic proposal's."""
+        return cls((int(token),), (1.0,))
+
 
 @dataclass(frozen=True)
 class Proposal:
