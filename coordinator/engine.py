@@ -399,6 +399,12 @@ class Engine:
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches
         allowed = self.governor is None or self.governor.speculate(self.active)
         plan = spec.plan(record.token_ids, cap, draft_up, allowed)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("session %s round: %s γ=%d (%s, est. speedup %.2f; α draft %s ngram %s; draft round "
+                      "of 4 costs %.2f plain steps; load %d)", session_tag(record.session_id), plan.source,
+                      plan.gamma, plan.reason, plan.speedup, _fmt(spec.policy.alpha(DRAFT)),
+                      _fmt(spec.policy.ngram_alpha(spec.ngram.last_order)),
+                      spec.policy.costs.relative_cost(DRAFT, 4, spec.load), spec.load)
         proposal, draft_s, propose_timed = Proposal([], []), 0.0, False
         if plan.source == NGRAM:
             proposal = Proposal(list(plan.tokens), one_hot_dists(plan.tokens))
@@ -518,6 +524,10 @@ class Engine:
         run.stats.cache_misses += 1
         log.info("%s cache miss for session %s (held %d, assumed %d): resending history",
                  service, session_tag(run.record.session_id), miss.held, prefix)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 async def _discard(task: asyncio.Future) -> None:

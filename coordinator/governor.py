@@ -7,12 +7,21 @@ could have used. Speculation can then lose aggregate throughput while each sessi
 it pay (measured on the 2-core dev machine with the real pair: 16 sessions at the default
 policy made 0.6× the tokens per second of γ = 0).
 
-`LoadGovernor` settles it by measurement. While at least `min_load` generations run, it
-alternates two trial epochs — speculation as the policies choose it, then plain decoding
-(γ = 0) for every adaptive request — compares the tokens per second the coordinator committed
-in each, and keeps the winner for `hold_s` before trying again. The first `settle_s` of an
-epoch are not counted: rounds planned under the previous mode are still committing then. A
-single stream is left to its own policy. Requests that fix γ or the proposer are never
+`LoadGovernor` settles it by measurement. While at least `min_load` generations run, it runs
+a trial of two epochs — speculation as the policies choose it, and plain decoding (γ = 0) for
+every adaptive request — compares the tokens per second the coordinator committed in each,
+and keeps the winner for `hold_s`. The first `settle_s` of an epoch are not counted: rounds
+planned under the previous mode are still committing then.
+
+What a trial costs is the time spent in the losing mode, so:
+- verdicts are kept per load band (2–3, 4–7, 8–15, 16–31, … generations) and carried across
+  bands one way: plain decoding winning at some load wins at any higher load (bigger batches
+  only make the target's extra tokens dearer), speculation winning wins at any lower load. A
+  load whose verdict follows from another's runs no trial of its own;
+- a trial starts with the mode that won last time near this load (plain when nothing is known:
+  under load that is the likelier winner), and the second epoch stops early once it trails the
+  first by `early_margin` over at least `min_count_s`.
+A single stream is left to its own policy. Requests that fix γ or the proposer are never
 overridden.
 """
 
@@ -27,16 +36,30 @@ SPECULATE, PLAIN = "speculate", "plain"
 log = logging.getLogger(__name__)
 
 
+def load_band(load: int) -> int:
+    """The band of a load: 2–3 → 1, 4–7 → 2, 8–15 → 3, 16–31 → 4, … (floor of log2)."""
+    return max(1, load).bit_length() - 1
+
+
+def _other(mode: str) -> str:
+    return PLAIN if mode == SPECULATE else SPECULATE
+
+
 @dataclass
 class LoadGovernor:
     min_load: int = 2          # generations running before the governor decides
-    epoch_s: float = 6.0       # length of each trial epoch
+    epoch_s: float = 6.0       # longest length of a trial epoch
     settle_s: float = 2.0      # its first seconds, not counted (the previous mode's rounds end)
-    hold_s: float = 60.0       # how long the winner holds before the next trial
+    min_count_s: float = 2.0   # counted seconds before the second epoch may stop early
+    early_margin: float = 0.1  # ... when its rate trails the first epoch's by this fraction
+    hold_s: float = 120.0      # how long a verdict holds before the next trial
     clock: Callable[[], float] = time.monotonic
     mode: str = SPECULATE      # what adaptive requests do now
     phase: str = "idle"        # idle | trial-speculate | trial-plain | hold
-    rates: dict = field(default_factory=dict)  # tokens/s measured per mode in the last trial
+    rates: dict = field(default_factory=dict)     # tokens/s measured per mode in the last trial
+    verdicts: dict = field(default_factory=dict)  # load band -> (winning mode, when decided)
+    _band: int = 0             # the band of the trial running
+    _first: str = PLAIN        # the mode of the trial's first epoch
     _started: float = 0.0
     _counted_from: float = 0.0
     _counting: bool = False
@@ -45,28 +68,73 @@ class LoadGovernor:
     def speculate(self, load: int) -> bool:
         """Whether adaptive requests may speculate now (`load`: generations running)."""
         now = self.clock()
-        if load < self.min_load:  # a single stream: its own policy decides (a held verdict waits)
+        if load < self.min_load:  # a single stream: its own policy decides (verdicts wait)
             if self.phase.startswith("trial"):  # a trial needs the load it measures
                 self.phase, self.mode = "idle", SPECULATE
             return True
-        if self.phase == "idle" or (self.phase == "hold" and now - self._started >= self.hold_s):
-            self._begin("trial-speculate", SPECULATE, now)
-        elif self.phase.startswith("trial") and not self._counting and now - self._started >= self.settle_s:
-            self._counting, self._tokens, self._counted_from = True, 0, now
-        elif self.phase.startswith("trial") and now - self._started >= self.epoch_s:
-            self.rates[self.mode] = self._tokens / max(now - self._counted_from, 1e-9)
-            if self.phase == "trial-speculate":
-                self._begin("trial-plain", PLAIN, now)
+        if self.phase.startswith("trial"):
+            self._advance(now, load)
+        else:
+            verdict = self.verdict(load_band(load), now)
+            if verdict is None:
+                self._start_trial(load_band(load), now)
             else:
-                best = SPECULATE if self.rates[SPECULATE] >= self.rates[PLAIN] else PLAIN
-                log.info("load %d: %.1f tok/s speculating, %.1f plain: %s for %.0f s", load,
-                         self.rates[SPECULATE], self.rates[PLAIN], best, self.hold_s)
-                self._begin("hold", best, now)
+                self.phase, self.mode = "hold", verdict
         return self.mode == SPECULATE
 
     def record(self, tokens: int) -> None:
         """Tokens committed by any generation (the throughput being compared)."""
         self._tokens += tokens
+
+    def verdict(self, band: int, now: float | None = None) -> str | None:
+        """The mode that holds at a load band: its own fresh verdict, else one that follows from a
+        fresh verdict at another band (plain below it, speculate above it); None: try."""
+        now = self.clock() if now is None else now
+        fresh = {b: mode for b, (mode, at) in self.verdicts.items() if now - at < self.hold_s}
+        if band in fresh:
+            return fresh[band]
+        if any(mode == PLAIN and b < band for b, mode in fresh.items()):
+            return PLAIN
+        if any(mode == SPECULATE and b > band for b, mode in fresh.items()):
+            return SPECULATE
+        return None
+
+    # ---- the trial ---------------------------------------------------------------------------
+
+    def _lean(self, band: int) -> str:
+        """The trial's first mode: the last verdict at the nearest band, else plain."""
+        if not self.verdicts:
+            return PLAIN
+        nearest = min(self.verdicts, key=lambda b: (abs(b - band), -self.verdicts[b][1]))
+        return self.verdicts[nearest][0]
+
+    def _start_trial(self, band: int, now: float) -> None:
+        self._band, self._first = band, self._lean(band)
+        self.rates = {}
+        self._begin(f"trial-{self._first}", self._first, now)
+
+    def _advance(self, now: float, load: int) -> None:
+        elapsed = now - self._started
+        if not self._counting:
+            if elapsed >= self.settle_s:
+                self._counting, self._tokens, self._counted_from = True, 0, now
+            return
+        counted = now - self._counted_from
+        rate = self._tokens / max(counted, 1e-9)
+        second = self.mode != self._first
+        trailing = (second and counted >= self.min_count_s
+                    and rate < (1.0 - self.early_margin) * self.rates[self._first])
+        if elapsed < self.epoch_s and not trailing:
+            return
+        self.rates[self.mode] = rate
+        if not second:
+            self._begin(f"trial-{_other(self._first)}", _other(self._first), now)
+            return
+        best = SPECULATE if self.rates[SPECULATE] >= self.rates[PLAIN] else PLAIN
+        self.verdicts[self._band] = (best, now)
+        log.info("load %d: %.1f tok/s speculating, %.1f plain%s: %s for %.0f s", load, self.rates[SPECULATE],
+                 self.rates[PLAIN], " (stopped early)" if trailing else "", best, self.hold_s)
+        self._begin("hold", best, now)
 
     def _begin(self, phase: str, mode: str, now: float) -> None:
         self.phase, self.mode, self._started, self._tokens = phase, mode, now, 0

@@ -56,6 +56,7 @@ class Plan:
     tokens: list[int] = field(default_factory=list)  # ngram: the proposal; draft: the hints
     reason: str = ""
     propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
+    speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
 
 
 def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
@@ -101,10 +102,11 @@ class RequestSpeculation:
                                     fixed_gamma=self.fixed_gamma, ngram_order=self._order, load=self.load)
         if choice.source == NGRAM:
             return Plan(NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, choice.speedup)
         if choice.source == DRAFT and self.draft_hints:
-            return Plan(DRAFT, choice.gamma, candidates[:max(0, cap - choice.gamma)], choice.reason)
-        return Plan(choice.source, choice.gamma, [], choice.reason)
+            return Plan(DRAFT, choice.gamma, candidates[:max(0, cap - choice.gamma)], choice.reason,
+                        speedup=choice.speedup)
+        return Plan(choice.source, choice.gamma, [], choice.reason, speedup=choice.speedup)
 
     def observe(self, source: str, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,

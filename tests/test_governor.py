@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.governor import PLAIN, SPECULATE, LoadGovernor
+from coordinator.governor import PLAIN, SPECULATE, LoadGovernor, load_band
 from coordinator.speculation import Speculation
 
 
@@ -14,20 +14,31 @@ class Clock:
         return self.now
 
 
-def trial(governor: LoadGovernor, clock: Clock, load: int, speculating_rate: float, plain_rate: float) -> None:
-    """Run one trial pair: each epoch commits tokens at the rate of the mode in force."""
-    for _ in range(2):
-        speculating = governor.speculate(load)
-        for i in range(20):  # rounds spread over the epoch; the governor is asked before each
-            clock.now += governor.epoch_s / 20
-            rate = speculating_rate if speculating else plain_rate
-            if i < 5:  # settling: the previous mode's rounds, not this mode's, commit now
-                rate = plain_rate if speculating else speculating_rate
-            governor.record(round(rate * governor.epoch_s / 20))
-            if i < 19:
-                assert governor.speculate(load) == speculating
-        clock.now += 0.01  # past the epoch's end (no float rounding short of it)
-    governor.speculate(load)  # the second epoch ends: the winner is chosen
+STEP = 0.1  # seconds per simulated round
+
+
+def run(governor: LoadGovernor, clock: Clock, load: int, seconds: float, speculating_rate: float,
+        plain_rate: float, settle: float = 1.0) -> dict[str, float]:
+    """Simulate `seconds` of rounds at `load`: the governor is asked before each round, and the
+    coordinator commits tokens at the rate of the mode in force — for `settle` seconds after a
+    switch at the previous mode's rate (its rounds are still committing). Returns the seconds
+    spent in each mode."""
+    spent = {SPECULATE: 0.0, PLAIN: 0.0}
+    mode, previous, switched = None, None, clock.now
+    for _ in range(round(seconds / STEP)):
+        now_mode = SPECULATE if governor.speculate(load) else PLAIN
+        if now_mode != mode:
+            previous, mode, switched = mode, now_mode, clock.now
+        effective = previous if previous is not None and clock.now - switched < settle else mode
+        rate = speculating_rate if effective == SPECULATE else plain_rate
+        clock.now += STEP
+        governor.record(round(rate * STEP))
+        spent[mode] += STEP
+    return spent
+
+
+def test_load_bands():
+    assert [load_band(n) for n in (2, 3, 4, 7, 8, 16, 31, 32)] == [1, 1, 2, 2, 3, 4, 4, 5]
 
 
 def test_a_single_stream_is_left_to_its_policy():
@@ -36,37 +47,67 @@ def test_a_single_stream_is_left_to_its_policy():
     assert governor.speculate(1) and governor.phase == "idle"
 
 
-def test_plain_decoding_wins_when_it_commits_more_tokens_and_holds():
+def test_a_trial_starts_plain_when_nothing_is_known():
     clock = Clock()
-    governor = LoadGovernor(clock=clock, epoch_s=6.0, settle_s=2.0, hold_s=60.0)
-    trial(governor, clock, 16, speculating_rate=19.0, plain_rate=33.0)
+    governor = LoadGovernor(clock=clock)
+    assert not governor.speculate(16) and governor.phase == "trial-plain"
+
+
+def test_plain_decoding_wins_and_the_losing_epoch_stops_early():
+    clock = Clock()
+    governor = LoadGovernor(clock=clock, epoch_s=6.0, settle_s=2.0, min_count_s=2.0, hold_s=60.0)
+    spent = run(governor, clock, 16, 20.0, speculating_rate=190.0, plain_rate=330.0)
     assert (governor.phase, governor.mode) == ("hold", PLAIN)
-    assert governor.rates[SPECULATE] < governor.rates[PLAIN]
-    assert abs(governor.rates[PLAIN] - 33.0) < 2 and abs(governor.rates[SPECULATE] - 19.0) < 2  # settled
-    clock.now += 59.0
-    assert governor.speculate(1)  # a lone stream meanwhile: its own policy
-    assert not governor.speculate(16)  # still held
-    clock.now += 2.0
-    assert governor.speculate(16) and governor.phase == "trial-speculate"  # tried again
+    assert abs(governor.rates[PLAIN] - 330.0) < 10 and abs(governor.rates[SPECULATE] - 190.0) < 10  # settled
+    # 6 s plain, then speculation only until it trailed for 2 counted seconds (2 s settle + 2 s)
+    assert 3.9 <= spent[SPECULATE] <= 4.3
+    assert governor.verdicts[load_band(16)][0] == PLAIN
 
 
 def test_speculation_wins_when_it_commits_more_tokens():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
-    trial(governor, clock, 4, speculating_rate=40.0, plain_rate=15.0)
+    spent = run(governor, clock, 4, 20.0, speculating_rate=400.0, plain_rate=150.0)
     assert (governor.phase, governor.mode) == ("hold", SPECULATE)
     assert governor.speculate(4)
+    assert spent[PLAIN] <= governor.epoch_s + STEP  # the plain epoch, then speculation held
+
+
+def test_a_verdict_holds_then_is_tried_again_starting_with_the_winner():
+    clock = Clock()
+    governor = LoadGovernor(clock=clock, hold_s=60.0)
+    run(governor, clock, 16, 14.0, speculating_rate=190.0, plain_rate=330.0)
+    decided = governor.verdicts[load_band(16)][1]
+    clock.now = decided + 59.0
+    assert governor.speculate(1)  # a lone stream meanwhile: its own policy
+    assert not governor.speculate(16) and governor.phase == "hold"  # still held
+    clock.now = decided + 61.0
+    assert not governor.speculate(16) and governor.phase == "trial-plain"  # tried again, plain first
+
+
+def test_plain_at_a_load_carries_to_higher_loads_and_speculation_to_lower():
+    clock = Clock()
+    governor = LoadGovernor(clock=clock)
+    run(governor, clock, 16, 14.0, speculating_rate=190.0, plain_rate=330.0)
+    assert governor.verdict(load_band(16)) == PLAIN
+    assert not governor.speculate(40) and governor.phase == "hold"  # no trial of its own
+    assert governor.verdict(load_band(4)) is None  # lower: not implied
+    assert not governor.speculate(4) and governor.phase == "trial-plain"  # its own trial
+    run(governor, clock, 4, 14.0, speculating_rate=400.0, plain_rate=150.0)
+    assert governor.verdict(load_band(4)) == SPECULATE
+    assert governor.verdict(load_band(2)) == SPECULATE  # implied below
+    assert governor.speculate(2) and governor.phase == "hold"
+    assert governor.verdict(load_band(8)) is None  # between a speculate and a plain verdict
 
 
 def test_a_trial_stops_when_the_load_goes():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
-    governor.speculate(8)
+    assert not governor.speculate(8)
     clock.now += 3.0
     governor.speculate(8)  # settled: counting
-    clock.now += 3.5
-    assert not governor.speculate(8)  # the plain epoch
     assert governor.speculate(1) and governor.phase == "idle"
+    assert governor.verdicts == {}
 
 
 def test_a_plain_verdict_only_overrides_adaptive_auto_requests():
