@@ -35,7 +35,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def ProposeStream(self, requests, context):
         """Propose calls multiplexed on one stream, each run as `propose` (see specdec/rpc/streaming.py)."""
-        async for answer in serve_calls(requests, self.propose, draft_pb2.ProposeStreamResponse):
+        async for answer in serve_calls(requests, context, self.propose, draft_pb2.ProposeStreamResponse):
             yield answer
 
     async def propose(self, request: draft_pb2.ProposeRequest,

@@ -35,7 +35,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def VerifyStream(self, requests, context):
         """Verify calls multiplexed on one stream, each run as `verify` (see specdec/rpc/streaming.py)."""
-        async for answer in serve_calls(requests, self.verify, target_pb2.VerifyStreamResponse):
+        async for answer in serve_calls(requests, context, self.verify, target_pb2.VerifyStreamResponse):
             yield answer
 
     async def verify(self, request: target_pb2.VerifyRequest,

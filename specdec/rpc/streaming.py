@@ -33,6 +33,10 @@ from specdec.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 STREAM_SUFFIX = "Stream"  # ProposeStream carries Propose calls, VerifyStream Verify calls
+# Initial metadata a call stream's server sends at once: the client writes only after it, so
+# a server that refuses the stream (an older one: UNIMPLEMENTED) is told apart for certain (a
+# write racing the refusal would fail locally and hide the server's status).
+READY_METADATA = (("specdec-call-stream", "1"),)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _READ_DONE = object()
 
@@ -87,12 +91,14 @@ def deadline_of(request: Any) -> float | None:
     return time.monotonic() + request.timeout_ms / 1000 if request.timeout_ms else None
 
 
-async def serve_calls(requests: AsyncIterator[Any], run: Callable[[Any, float | None], Awaitable[Any]],
-                      response_type: type) -> AsyncIterator[Any]:
+async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                      run: Callable[[Any, float | None], Awaitable[Any]], response_type: type
+                      ) -> AsyncIterator[Any]:
     """Answer every call read from `requests` with run(request.request, deadline), each call
     its own task; yield the answers as they complete. A call's error is its answer only. When
     the client stops sending, the stream ends once the calls in flight are answered; when it
     goes away (this generator is cancelled or closed), the calls in flight are cancelled."""
+    await context.send_initial_metadata(READY_METADATA)
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
@@ -140,6 +146,10 @@ async def serve_calls(requests: AsyncIterator[Any], run: Callable[[Any, float | 
 
 
 # ---- client side ------------------------------------------------------------------------------
+
+def _details(exc: BaseException) -> str:
+    return exc.details() if isinstance(exc, grpc.RpcError) else repr(exc)
+
 
 class StreamUnsupported(Exception):
     """The server has no such stream method (an older server): use unary calls."""
@@ -201,15 +211,19 @@ class CallStream:
 
     async def _write(self, stream: _Stream) -> None:
         """Send the queued calls in order (one write at a time, as gRPC requires; a caller that
-        is cancelled never leaves a write half done)."""
+        is cancelled never leaves a write half done), once the server has accepted the stream."""
         try:
+            metadata = await stream.call.initial_metadata()
+            if not set(READY_METADATA) <= set(metadata or ()):
+                await stream.call.code()  # refused (UNIMPLEMENTED ...): the reader reports it
+                return
             while True:
                 await stream.call.write(await stream.outbox.get())
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the call ended: the reader sees why; make sure it does
-            log.debug("%s: stream write failed: %r", self.name, exc)
-            stream.call.cancel()
+        except Exception as exc:  # the stream broke under a write: as if the server went away
+            self._break(stream, CallStatus(grpc.StatusCode.UNAVAILABLE,
+                                           f"the call stream broke ({_details(exc)})"))
 
     async def _read(self, stream: _Stream) -> None:
         """Resolve each call's future with its answer; when the stream ends, fail the rest."""
@@ -217,8 +231,7 @@ class CallStream:
             while True:
                 response = await stream.call.read()
                 if response is grpc.aio.EOF:
-                    self._break(stream, CallStatus(grpc.StatusCode.UNAVAILABLE,
-                                                   f"{self.name}: the call stream ended"))
+                    self._break(stream, CallStatus(grpc.StatusCode.UNAVAILABLE, "the call stream ended"))
                     return
                 future = stream.pending.pop(response.call_id, None)
                 if future is None or future.done():
@@ -228,7 +241,7 @@ class CallStream:
                 else:
                     future.set_result(response.response)
         except asyncio.CancelledError:
-            self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, f"{self.name}: client closed"))
+            self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, "the client was closed"))
             raise
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -239,7 +252,7 @@ class CallStream:
                 self._break(stream, exc)
         except Exception as exc:  # a bug here must not leave callers waiting forever
             log.exception("%s: call stream reader failed", self.name)
-            self._break(stream, CallStatus(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc!r}"))
+            self._break(stream, CallStatus(grpc.StatusCode.UNAVAILABLE, f"call stream reader: {exc!r}"))
 
     def _break(self, stream: _Stream, error: BaseException) -> None:
         """The stream is gone: its calls in flight fail with `error`; the next call opens anew."""
@@ -258,5 +271,5 @@ class CallStream:
     async def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
-            self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, f"{self.name}: client closed"))
+            self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, "the client was closed"))
             await asyncio.gather(*stream.tasks, return_exceptions=True)
