@@ -346,7 +346,8 @@ def plot(path: Path, results: dict) -> None:
     for key, r in results.items():
         if key.startswith("gamma_"):
             ax.hist(r["samples"], bins=60, alpha=0.6,
-                    label=f"γ={r['gamma']} overlap {r['overlap']} {r['transport']} (p50 {r['orchestration_p50']:.2f} ms)")
+                    label=f"γ={r['gamma']} overlap {r['overlap']} {r['transport']} "
+                          f"(p50 {r['orchestration_p50']:.2f} ms)")
     ax.axvline(results["bare_two_calls_ms"]["p50"], color="grey", linestyle="--", label="two bare gRPC calls")
     ax.set_xlabel("orchestration per round (ms)")
     ax.set_ylabel("rounds")

@@ -147,6 +147,11 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
 
 # ---- client side ------------------------------------------------------------------------------
 
+def _millis(timeout_s: float) -> int:
+    """A timeout as a stream request's timeout_ms (uint32: at least 1, at most ~49 days)."""
+    return min(max(1, math.ceil(timeout_s * 1000)), 2**32 - 1)
+
+
 def _details(exc: BaseException) -> str:
     return exc.details() if isinstance(exc, grpc.RpcError) else repr(exc)
 
@@ -162,7 +167,6 @@ class _Stream:
         self.call = call
         self.pending: dict[int, asyncio.Future] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
-        self.broken = False
         self.tasks: list[asyncio.Task] = []
 
 
@@ -194,7 +198,7 @@ class CallStream:
                 stream = self._current()
                 stream.pending[call_id] = future
                 stream.outbox.put_nowait(self._request_type(
-                    call_id=call_id, request=request, timeout_ms=max(1, math.ceil(timeout_s * 1000))))
+                    call_id=call_id, request=request, timeout_ms=_millis(timeout_s)))
                 return await future
         except TimeoutError:
             raise CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
@@ -258,7 +262,6 @@ class CallStream:
         """The stream is gone: its calls in flight fail with `error`; the next call opens anew."""
         if self._stream is stream:
             self._stream = None
-        stream.broken = True
         stream.call.cancel()
         for future in stream.pending.values():
             if not future.done():
