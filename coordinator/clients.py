@@ -7,8 +7,6 @@ server without the stream methods (an older one) is called unary from the first 
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 
 from specdec.errors import CacheMiss, SpecdecError
@@ -38,6 +36,7 @@ class ServiceClient:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.address = address
         self.transport = transport
+        self._streams: list[CallStream] = []  # closed with the client
         self.timeout_s = timeout_s
         self.tls = credentials is not None
         self.server_name = server_name
@@ -56,7 +55,9 @@ class ServiceClient:
         """The call stream of one method (None with the unary transport)."""
         if self.transport != "stream":
             return None
-        return CallStream(open_stream, request_type, self.channel, self.name)
+        stream = CallStream(open_stream, request_type, self.channel, self.name)
+        self._streams.append(stream)
+        return stream
 
     async def call(self, method, request, session_id: str = "", timeout_s: float | None = None,
                    wait_for_ready: bool = True, stream: CallStream | None = None):
@@ -75,13 +76,9 @@ class ServiceClient:
                 raise CacheMiss(session_id, error.held, getattr(request, "prefix_len", -1)) from exc
             raise error from exc
 
-    def _streams(self) -> list[Any]:
-        return []
-
     async def close(self) -> None:
-        for stream in self._streams():
-            if stream is not None:
-                await stream.close()
+        for stream in self._streams:
+            await stream.close()
         await self.channel.close()
 
 
@@ -95,9 +92,6 @@ class DraftClient(ServiceClient):
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.propose_stream = self._call_stream(lambda: self.stub.ProposeStream(wait_for_ready=False),
                                                 draft_pb2.ProposeStreamRequest)
-
-    def _streams(self) -> list[Any]:
-        return [self.propose_stream]
 
     async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None,
                    wait_for_ready: bool = True) -> ModelDescription:
@@ -135,9 +129,6 @@ class TargetClient(ServiceClient):
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.verify_stream = self._call_stream(lambda: self.stub.VerifyStream(wait_for_ready=False),
                                                target_pb2.VerifyStreamRequest)
-
-    def _streams(self) -> list[Any]:
-        return [self.verify_stream]
 
     async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None,
                    wait_for_ready: bool = True) -> ModelDescription:
