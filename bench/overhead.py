@@ -3,12 +3,15 @@
 Usage:
   python bench/overhead.py [--requests 20] [--max-new-tokens 64] [--gammas 4,0]
                            [--store memory|redis://...] [--overlap on|off|on,off]
+                           [--transport stream|unary|stream,unary]
 
 Builds a tiny random pair (specdec.tiny) and runs the draft, target and coordinator servers as
 separate processes on loopback (real gRPC; the in-process session store unless --store names a
 Redis), as in production. --overlap off runs the coordinator with the session-store write of a
 round awaited before the next round starts (the engine's `overlap_store` off), to measure what
-the overlap saves; on,off runs both, one coordinator process after the other.
+the overlap saves; on,off runs both, one coordinator process after the other. --transport
+picks how the coordinator sends Propose and Verify (its --rpc-transport): on one long-lived call
+stream per service, or as unary calls; stream,unary (the default) runs both the same way.
 One streaming greedy session at a time; each streamed chunk is one round, so a round's wall
 time is the gap between two chunks as the client sees them. The model work of the round is
 measured inside the draft and target processes (this script starts them with their batch
@@ -16,12 +19,13 @@ tasks and model forwards timed on the system-wide monotonic clock): every batch 
 model workers run (forward, acceptance, drafting draws), and the model forwards alone.
 Orchestration = wall − model work: the coordinator, the session store, gRPC on loopback, the
 batch scheduler and the hops between threads. It is split by spans timed in every process:
-`service` = the Propose/Verify handlers beyond their model work (validation, the batch
-scheduler, the hops to the model thread and back); `grpc` = the coordinator's calls beyond the
-handlers (transport, (de)serialisation, interceptors, both event loops); `store` = the
-coordinator's session-store writes; `rest` = what no call or write covers (the engine's own
-Python, streaming the chunk to the client). Two bare unary gRPC calls (GetModelInfo on
-draft and target) are timed as the floor. Prints a table; writes JSON and a PNG under
+`service` = the Propose/Verify calls in the services beyond their model work (validation, the
+batch scheduler, the hops to the model thread and back; timed around the servicers' `propose` /
+`verify`, which unary and streamed calls share); `grpc` = the coordinator's calls beyond that
+(transport, (de)serialisation, interceptors, a streamed call's dispatch, both event loops);
+`store` = the coordinator's session-store writes; `rest` = what no call or write covers (the
+engine's own Python, streaming the chunk to the client). Two bare unary gRPC calls
+(GetModelInfo on draft and target) are timed as the floor. Prints a table; writes JSON and a PNG under
 bench/results/.
 """
 
@@ -132,10 +136,10 @@ def serve(args) -> int:
     work, forwards, handlers = Intervals(), Intervals(), Intervals()
     if args.serve == "draft":  # before the server binds its handlers
         start, config = draft_server.start, DraftConfig
-        DraftServicer.Propose = handlers.wrap_async(DraftServicer.Propose)
+        DraftServicer.propose = handlers.wrap_async(DraftServicer.propose)
     else:
         start, config = target_server.start, TargetConfig
-        TargetServicer.Verify = handlers.wrap_async(TargetServicer.Verify)
+        TargetServicer.verify = handlers.wrap_async(TargetServicer.verify)
     server, _, servicer = start(config(model=args.model, dtype=args.dtype, port=args.port))
     servicer.scheduler.run_batch = work.wrap(servicer.scheduler.run_batch)
     runner = servicer.proposer.runner if args.serve == "draft" else servicer.verifier.runner
@@ -159,7 +163,8 @@ async def serve_coordinator(args) -> int:
     TargetClient.verify = calls.wrap_async(TargetClient.verify)
     Engine.overlap_store = args.overlap == "on"
     running = await coordinator_server.start(CoordinatorConfig(
-        draft=args.draft, target=args.target, port=args.port, session_store=args.store))
+        draft=args.draft, target=args.target, port=args.port, session_store=args.store,
+        rpc_transport=args.transport))
     store = running.engine.store
     store.save = saves.wrap_async(store.save)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -181,6 +186,9 @@ def main() -> int:
     parser.add_argument("--overlap", default="on",
                         help="overlap each round's store write with the next round's first call: "
                              "on, off, or on,off (both, one coordinator after the other)")
+    parser.add_argument("--transport", default="stream,unary",
+                        help="the coordinator's --rpc-transport: stream, unary, or stream,unary (both, "
+                             "one coordinator after the other)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--serve", choices=("draft", "target", "coordinator"), help=argparse.SUPPRESS)  # child
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -191,9 +199,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.serve:
         return serve(args)
-    overlaps = args.overlap.split(",")
+    overlaps, transports = args.overlap.split(","), args.transport.split(",")
     if not set(overlaps) <= {"on", "off"}:
         parser.error(f"--overlap: on, off or on,off, not {args.overlap!r}")
+    if not set(transports) <= {"stream", "unary"}:
+        parser.error(f"--transport: stream, unary or stream,unary, not {args.transport!r}")
     root = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
     models = dict(zip(("draft", "target"), tiny.build_pair(root)))
     print(f"tiny random pair under {root} ({args.dtype}, store {args.store})", flush=True)
@@ -203,7 +213,7 @@ def main() -> int:
         [sys.executable, __file__, "--serve", name, "--model", str(models[name]), "--dtype", args.dtype,
          "--port", str(ports[name]), "--spans", str(root / f"{name}.json")], stdin=subprocess.PIPE, env=env)
         for name in ("draft", "target")}
-    stamps: dict[tuple[str, int], list[list[float]]] = {}
+    stamps: dict[tuple[str, str, int], list[list[float]]] = {}
     try:
         for name in ("draft", "target"):
             wait_healthy(f"127.0.0.1:{ports[name]}", 300, list(children.values()))
@@ -211,7 +221,8 @@ def main() -> int:
                 grpc.insecure_channel(f"127.0.0.1:{ports['target']}") as tch:
             bare = bare_calls(draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch))
         for overlap in overlaps:
-            stamps.update(run_coordinator(args, overlap, ports, root, children))
+            for transport in transports:
+                stamps.update(run_coordinator(args, overlap, transport, ports, root, children))
     finally:
         for child in children.values():
             child.stdin.close()
@@ -221,11 +232,12 @@ def main() -> int:
     work, forwards, handlers = (Intervals([tuple(s) for name in spans for s in spans[name][kind]])
                                 for kind in ("work", "forwards", "handlers"))
     results: dict = {"bare_two_calls_ms": bare}
-    for (overlap, gamma), per_request in stamps.items():
-        coordinator = json.loads((root / f"coordinator-{overlap}.json").read_text())
+    for (overlap, transport, gamma), per_request in stamps.items():
+        coordinator = json.loads((root / f"coordinator-{overlap}-{transport}.json").read_text())
         calls, saves = (Intervals([tuple(s) for s in coordinator[kind]]) for kind in ("calls", "saves"))
-        results[f"gamma_{gamma}_overlap_{overlap}"] = {
-            "overlap": overlap, **rounds(gamma, per_request, work, forwards, handlers, calls, saves)}
+        results[f"gamma_{gamma}_overlap_{overlap}_{transport}"] = {
+            "overlap": overlap, "transport": transport,
+            **rounds(gamma, per_request, work, forwards, handlers, calls, saves)}
     report(args, results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,14 +250,16 @@ def main() -> int:
     return 0
 
 
-def run_coordinator(args, overlap: str, ports: dict[str, int], root: Path,
-                    services: dict[str, subprocess.Popen]) -> dict[tuple[str, int], list[list[float]]]:
-    """Start a coordinator (overlap on or off), time every γ's streams through it, stop it."""
+def run_coordinator(args, overlap: str, transport: str, ports: dict[str, int], root: Path,
+                    services: dict[str, subprocess.Popen]) -> dict[tuple[str, str, int], list[list[float]]]:
+    """Start a coordinator (overlap on or off, stream or unary transport), time every γ's
+    streams through it, stop it."""
     port = free_port()
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve", "coordinator", "--draft", f"127.0.0.1:{ports['draft']}",
          "--target", f"127.0.0.1:{ports['target']}", "--port", str(port), "--store", args.store,
-         "--overlap", overlap, "--spans", str(root / f"coordinator-{overlap}.json")], stdin=subprocess.PIPE)
+         "--overlap", overlap, "--transport", transport,
+         "--spans", str(root / f"coordinator-{overlap}-{transport}.json")], stdin=subprocess.PIPE)
     stamps = {}
     try:
         wait_healthy(f"127.0.0.1:{port}", 300, [child, *services.values()])
@@ -253,7 +267,7 @@ def run_coordinator(args, overlap: str, ports: dict[str, int], root: Path,
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             for gamma in [int(g) for g in args.gammas.split(",")]:
                 chunk_times(stub, gamma, 4, 16)  # warm-up
-                stamps[overlap, gamma] = chunk_times(stub, gamma, args.requests, args.max_new_tokens)
+                stamps[overlap, transport, gamma] = chunk_times(stub, gamma, args.requests, args.max_new_tokens)
     finally:
         child.stdin.close()
         child.wait(60)
@@ -265,13 +279,14 @@ def report(args, results: dict) -> None:
     print(f"\nper-round orchestration on loopback (tiny pair, {args.dtype}, one process per service, torch threads "
           f"{args.torch_threads or 'default'}, store {args.store}); "
           f"two bare unary gRPC calls: p50 {bare['p50']:.3f} ms, p99 {bare['p99']:.3f} ms")
-    print(f"{'γ':>3} {'overlap':>7} {'rounds':>7} {'wall p50':>9} {'model p50':>10} {'orch p50':>9} "
+    print(f"{'γ':>3} {'overlap':>7} {'rpc':>6} {'rounds':>7} {'wall p50':>9} {'model p50':>10} {'orch p50':>9} "
           f"{'orch p99':>9} {'orch-fwd':>9} | {'service':>8} {'grpc':>8} {'store':>8} {'rest':>8}"
           "   (ms per round; after | the p50 of each part of orch)")
     for key, r in results.items():
         if not key.startswith("gamma_"):
             continue
-        print(f"{r['gamma']:>3} {r['overlap']:>7} {r['rounds']:>7} {r['wall_p50']:>9.3f} {r['work_p50']:>10.3f} "
+        print(f"{r['gamma']:>3} {r['overlap']:>7} {r['transport']:>6} {r['rounds']:>7} {r['wall_p50']:>9.3f} "
+              f"{r['work_p50']:>10.3f} "
               f"{r['orchestration_p50']:>9.3f} {r['orchestration_p99']:>9.3f} {r['beyond_forward_p50']:>9.3f} | "
               f"{r['service_p50']:>8.3f} {r['grpc_p50']:>8.3f} {r['store_p50']:>8.3f} {r['rest_p50']:>8.3f}")
 
@@ -331,7 +346,8 @@ def plot(path: Path, results: dict) -> None:
     for key, r in results.items():
         if key.startswith("gamma_"):
             ax.hist(r["samples"], bins=60, alpha=0.6,
-                    label=f"γ={r['gamma']} overlap {r['overlap']} (p50 {r['orchestration_p50']:.2f} ms)")
+                    label=f"γ={r['gamma']} overlap {r['overlap']} {r['transport']} "
+                          f"(p50 {r['orchestration_p50']:.2f} ms)")
     ax.axvline(results["bare_two_calls_ms"]["p50"], color="grey", linestyle="--", label="two bare gRPC calls")
     ax.set_xlabel("orchestration per round (ms)")
     ax.set_ylabel("rounds")

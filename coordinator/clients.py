@@ -1,4 +1,9 @@
-"""Async clients of the draft and target services, speaking domain types."""
+"""Async clients of the draft and target services, speaking domain types.
+
+Propose and Verify go over one long-lived call stream per client (transport "stream", see
+specdec/rpc/streaming.py) or as unary calls ("unary"); both raise the same domain errors. A
+server without the stream methods (an older one) is called unary from the first refusal on.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,29 @@ from specdec.rpc.convert import dist_from_pb, dist_to_pb, model_info_from_pb, sa
 from specdec.rpc.security import name_override_options
 from specdec.rpc.server import channel_options
 from specdec.rpc.status import from_rpc_error
+from specdec.rpc.streaming import CallStream, StreamUnsupported
 from specdec.types import ModelDescription, Proposal, SamplingParams, SparseDist, Verdict
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
+TRANSPORTS = ("stream", "unary")
+
+
 class ServiceClient:
     """A channel to one service replica (TLS when `credentials` are given; `server_name`
-    overrides the name checked in its certificate); failed calls become domain errors."""
+    overrides the name checked in its certificate); failed calls become domain errors.
+    `transport` "stream" sends the hot calls over a call stream, "unary" as unary calls."""
 
     kind = "service"
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
+                 transport: str = "stream"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.address = address
+        self.transport = transport
+        self._streams: list[CallStream] = []  # closed with the client
         self.timeout_s = timeout_s
         self.tls = credentials is not None
         self.server_name = server_name
@@ -36,17 +51,34 @@ class ServiceClient:
     def name(self) -> str:
         return f"{self.kind} service at {self.address}"
 
+    def _call_stream(self, open_stream, request_type: type) -> CallStream | None:
+        """The call stream of one method (None with the unary transport)."""
+        if self.transport != "stream":
+            return None
+        stream = CallStream(open_stream, request_type, self.channel, self.name)
+        self._streams.append(stream)
+        return stream
+
     async def call(self, method, request, session_id: str = "", timeout_s: float | None = None,
-                   wait_for_ready: bool = True):
+                   wait_for_ready: bool = True, stream: CallStream | None = None):
+        """method(request) as a unary call, or on `stream` when one is given and the server has it."""
+        timeout = timeout_s or self.timeout_s
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s, wait_for_ready=wait_for_ready)
-        except grpc.aio.AioRpcError as exc:
+            if stream is not None and not stream.unsupported:
+                try:
+                    return await stream.call(request, timeout, wait_for_ready)
+                except StreamUnsupported:
+                    pass  # an older server: this call and the next ones go unary
+            return await method(request, timeout=timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as exc:
             error = from_rpc_error(exc, self.name)
             if isinstance(error, CacheMiss):
                 raise CacheMiss(session_id, error.held, getattr(request, "prefix_len", -1)) from exc
             raise error from exc
 
     async def close(self) -> None:
+        for stream in self._streams:
+            await stream.close()
         await self.channel.close()
 
 
@@ -54,9 +86,12 @@ class DraftClient(ServiceClient):
     kind = "draft"
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
-        super().__init__(address, timeout_s, max_message_bytes, credentials, server_name)
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
+                 transport: str = "stream"):
+        super().__init__(address, timeout_s, max_message_bytes, credentials, server_name, transport)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.propose_stream = self._call_stream(lambda: self.stub.ProposeStream(wait_for_ready=False),
+                                                draft_pb2.ProposeStreamRequest)
 
     async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None,
                    wait_for_ready: bool = True) -> ModelDescription:
@@ -74,7 +109,8 @@ class DraftClient(ServiceClient):
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed, hint_tokens=hints,
         )
-        response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False)
+        response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False,
+                                   stream=self.propose_stream)
         return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
                         response.cached_len, response.num_hint_tokens_kept)
 
@@ -87,9 +123,12 @@ class TargetClient(ServiceClient):
     kind = "target"
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
-        super().__init__(address, timeout_s, max_message_bytes, credentials, server_name)
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
+                 transport: str = "stream"):
+        super().__init__(address, timeout_s, max_message_bytes, credentials, server_name, transport)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.verify_stream = self._call_stream(lambda: self.stub.VerifyStream(wait_for_ready=False),
+                                               target_pb2.VerifyStreamRequest)
 
     async def info(self, timeout_s: float, fingerprint_vocab_size: int | None = None,
                    wait_for_ready: bool = True) -> ModelDescription:
@@ -108,7 +147,8 @@ class TargetClient(ServiceClient):
             draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
             sampling=sampling_to_pb(params), seed=seed,
         )
-        response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready)
+        response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready,
+                                   stream=self.verify_stream)
         return Verdict(response.num_accepted, response.next_token, response.is_bonus,
                        list(response.accept_probs), response.cached_len)
 

@@ -134,7 +134,8 @@ def open_routes(config: CoordinatorConfig, upstream: grpc.ChannelCredentials | N
         discovery = discovery_from_config(config)
     except DiscoveryError as exc:
         raise StartupError(str(exc)) from exc
-    options = (config.rpc_timeout_s, config.max_message_bytes, upstream, config.upstream_server_name)
+    options = (config.rpc_timeout_s, config.max_message_bytes, upstream, config.upstream_server_name,
+               config.rpc_transport)
     return Routes(discovery,
                   ReplicaPool("draft", lambda address: DraftClient(address, *options), config.draft_retry_s),
                   ReplicaPool("target", lambda address: TargetClient(address, *options)))

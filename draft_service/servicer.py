@@ -6,6 +6,7 @@ from typing import Callable
 
 from specdec.rpc.convert import description_for, dist_to_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
+from specdec.rpc.streaming import serve_calls
 from specdec.runtime.calls import deadline_of, run_call
 from specdec.runtime.scheduler import BatchScheduler
 from specdec.types import ModelDescription
@@ -30,12 +31,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @map_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context):
+        return await self.propose(request, deadline_of(context))
+
+    async def ProposeStream(self, requests, context):
+        """Propose calls multiplexed on one stream, each run as `propose` (see specdec/rpc/streaming.py)."""
+        async for answer in serve_calls(requests, context, self.propose, draft_pb2.ProposeStreamResponse):
+            yield answer
+
+    async def propose(self, request: draft_pb2.ProposeRequest,
+                      deadline: float | None) -> draft_pb2.ProposeResponse:
+        """One Propose call, unary or streamed (domain errors propagate); not started after
+        `deadline` (time.monotonic())."""
         call = self.proposer.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
             list(request.hint_tokens),
         )
-        proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline_of(context))
+        proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline)
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             draft_probs=[dist_to_pb(d) for d in proposal.draft_probs],

@@ -127,6 +127,10 @@ class CoordinatorConfig(ServerTlsConfig):
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")
     rpc_timeout_s: float = opt(60.0, "deadline of each call to the draft / target service")
+    rpc_transport: str = opt("stream", "how Propose and Verify travel: stream (multiplexed on one "
+                             "long-lived gRPC stream per replica: less per-call overhead; a replica "
+                             "without it gets unary calls) or unary (one gRPC call each)",
+                             ("stream", "unary"))
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")
     upstream_ca_file: str = opt("", "PEM CA that signed the draft's and target's certificates; "
                                 "turns on TLS to them (default: plaintext)")

@@ -6,6 +6,7 @@ from typing import Callable
 
 from specdec.rpc.convert import description_for, dist_from_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
+from specdec.rpc.streaming import serve_calls
 from specdec.runtime.calls import deadline_of, run_call
 from specdec.runtime.scheduler import BatchScheduler
 from specdec.types import ModelDescription
@@ -30,12 +31,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @map_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
+        return await self.verify(request, deadline_of(context))
+
+    async def VerifyStream(self, requests, context):
+        """Verify calls multiplexed on one stream, each run as `verify` (see specdec/rpc/streaming.py)."""
+        async for answer in serve_calls(requests, context, self.verify, target_pb2.VerifyStreamResponse):
+            yield answer
+
+    async def verify(self, request: target_pb2.VerifyRequest,
+                     deadline: float | None) -> target_pb2.VerifyResponse:
+        """One Verify call, unary or streamed (domain errors propagate); not started after
+        `deadline` (time.monotonic())."""
         call = self.verifier.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
             sampling_from_pb(request.sampling), request.seed,
         )
-        verdict = await run_call(self.scheduler, self.verifier.runner, call, deadline_of(context))
+        verdict = await run_call(self.scheduler, self.verifier.runner, call, deadline)
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             is_bonus=verdict.is_bonus, accept_probs=verdict.accept_probs,

@@ -5,6 +5,11 @@ Every specdec.v1 method of a server goes through it (health checks and reflectio
 OK, the status a domain error was mapped to, CANCELLED when the client went away, INTERNAL
 for anything unexpected. Methods named in `stages` also observe their duration as that
 stage of `specdec_round_latency_seconds` (the draft times Propose, the target Verify).
+
+A call stream (ProposeStream, VerifyStream: see specdec/rpc/streaming.py) is not counted
+itself: each call on it counts as the unary call it stands for (method Propose or Verify, the
+code its answer carries, timed from its request's arrival to its answer), and a call still
+running when the stream ends counts as CANCELLED, as a cancelled unary call does.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Awaitable, Callable, Mapping
 import grpc
 
 from specdec.metrics import Metrics
+from specdec.rpc.streaming import STREAM_SUFFIX, code_of
 
 COUNTED_PREFIX = "/specdec.v1."
 
@@ -49,7 +55,11 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 self._streaming(method, handler.unary_stream), handler.request_deserializer,
                 handler.response_serializer)
-        return handler  # no client-streaming methods in the API
+        if handler.stream_stream is not None and method.endswith(STREAM_SUFFIX):
+            return grpc.stream_stream_rpc_method_handler(
+                self._call_stream(method[:-len(STREAM_SUFFIX)], handler.stream_stream),
+                handler.request_deserializer, handler.response_serializer)
+        return handler  # no other client-streaming methods in the API
 
     def _unary(self, method: str, behavior: Callable) -> Callable:
         async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -77,6 +87,28 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 self._finish(method, _code_of(exc, context), started)
                 raise
             self._finish(method, _code(context) or grpc.StatusCode.OK, started)
+        return counted
+
+    def _call_stream(self, method: str, behavior: Callable) -> Callable:
+        """Count each call of a call stream as a unary `method` call."""
+        async def counted(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            started: dict[int, float] = {}  # call_id -> when its request arrived
+
+            async def arrivals() -> Any:
+                async for request in requests:
+                    started[request.call_id] = time.perf_counter()
+                    yield request
+
+            try:
+                async for response in behavior(arrivals(), context):
+                    began = started.pop(response.call_id, None)
+                    if began is not None:
+                        self._finish(method, code_of(response), began)
+                    yield response
+            finally:
+                for began in started.values():  # cancelled with the stream
+                    self._finish(method, grpc.StatusCode.CANCELLED, began)
+                started.clear()
         return counted
 
     def _finish(self, method: str, code: grpc.StatusCode, started: float) -> None:

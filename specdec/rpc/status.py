@@ -32,7 +32,8 @@ def code_for(error: errors.SpecdecError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _trailers(error: errors.SpecdecError) -> tuple[tuple[str, str], ...]:
+def trailers_for(error: errors.SpecdecError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a call failing with `error` carries (what from_rpc_error reads back)."""
     if isinstance(error, errors.CacheMiss):
         return ((CACHE_MISS_KEY, str(error.held)),)
     if isinstance(error, errors.ResourceExhausted) and error.retry_after_s is not None:
@@ -51,7 +52,7 @@ def map_errors(method: Callable) -> Callable:
                 async for item in method(self, request, context):
                     yield item
             except errors.SpecdecError as exc:
-                context.set_trailing_metadata(_trailers(exc))
+                context.set_trailing_metadata(trailers_for(exc))
                 await context.abort(code_for(exc), str(exc))
         return agen_wrapper
 
@@ -61,7 +62,7 @@ def map_errors(method: Callable) -> Callable:
             try:
                 return await method(self, request, context)
             except errors.SpecdecError as exc:
-                context.set_trailing_metadata(_trailers(exc))
+                context.set_trailing_metadata(trailers_for(exc))
                 await context.abort(code_for(exc), str(exc))
         return async_wrapper
 
@@ -70,7 +71,7 @@ def map_errors(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except errors.SpecdecError as exc:
-            context.set_trailing_metadata(_trailers(exc))
+            context.set_trailing_metadata(trailers_for(exc))
             context.abort(code_for(exc), str(exc))
     return wrapper
 

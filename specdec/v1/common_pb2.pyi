@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -113,3 +113,20 @@ class GenerationStats(_message.Message):
     draft_hint_tokens: int
     draft_hint_accepted_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., coordinator_seconds: _Optional[float] = ..., draft_prefill_tokens: _Optional[int] = ..., target_prefill_tokens: _Optional[int] = ..., cache_misses: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., target_retries: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., ngram_rounds: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., ngram_accepted_tokens: _Optional[int] = ..., rounds_by_gamma: _Optional[_Iterable[int]] = ..., gamma_per_round: _Optional[_Iterable[int]] = ..., draft_hint_tokens: _Optional[int] = ..., draft_hint_accepted_tokens: _Optional[int] = ...) -> None: ...
+
+class StreamCallError(_message.Message):
+    __slots__ = ("code", "message", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    trailing_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...

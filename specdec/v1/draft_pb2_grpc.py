@@ -45,6 +45,11 @@ class DraftServiceStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specdec.v1.DraftService/ProposeStream',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DraftService/Release',
                 request_serializer=specdec_dot_v1_dot_draft__pb2.DraftServiceReleaseRequest.SerializeToString,
@@ -71,6 +76,17 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """Propose calls multiplexed on one long-lived stream (cheaper per call than a unary call):
+        each request is one Propose call, run as if it came alone (it batches with other
+        sessions' calls); each response answers one of them, in the order they finish. One
+        call's failure is its response's error, never the stream's end. Calls still running
+        when the stream ends are cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drops the session's KV cache.
         """
@@ -90,6 +106,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeStreamRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -152,6 +173,33 @@ class DraftService:
             '/specdec.v1.DraftService/Propose',
             specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DraftService/ProposeStream',
+            specdec_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

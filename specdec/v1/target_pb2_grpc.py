@@ -45,6 +45,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specdec.v1.TargetService/VerifyStream',
+                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyStreamRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.TargetService/Release',
                 request_serializer=specdec_dot_v1_dot_target__pb2.TargetServiceReleaseRequest.SerializeToString,
@@ -73,6 +78,17 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify calls multiplexed on one long-lived stream (cheaper per call than a unary call):
+        each request is one Verify call, run as if it came alone (it batches with other
+        sessions' calls); each response answers one of them, in the order they finish. One
+        call's failure is its response's error, never the stream's end. Calls still running
+        when the stream ends are cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drops the session's KV cache.
         """
@@ -92,6 +108,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyStreamRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -154,6 +175,33 @@ class TargetService:
             '/specdec.v1.TargetService/Verify',
             specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetService/VerifyStream',
+            specdec_dot_v1_dot_target__pb2.VerifyStreamRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.VerifyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
