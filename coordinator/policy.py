@@ -207,7 +207,7 @@ class PolicyConfig:
     default_gamma: int = 4             # γ of the warm-up rounds of a source without data
     warmup_rounds: int = 2             # observed rounds before a source is judged on its data
     probe_gamma: int = 2               # γ of a probe of a source the policy stopped using
-    probe_interval: int = 16           # eligible rounds without a source before it is probed
+    probe_interval: int = 4            # eligible rounds without a source before it is probed
     max_probe_interval: int = 256      # the interval doubles per probe up to this
     alpha_decay: float = 0.9           # weight kept by past rounds in α, per observed round
     timing_decay: float = 0.9          # the same for the timing fits

@@ -150,7 +150,7 @@ def test_overrides_are_respected():
     assert {tuple(c) for c in choices} == {("draft", 3)}
     # fixed source, adaptive γ: the useless draft is not used (but still probed)
     choices = simulate(policy, 50, {"draft": 0.0}, {"draft": 0.05}, mode="draft")
-    assert sum(c.source == "draft" for c in choices) <= 2
+    assert sum(c.source == "draft" for c in choices) <= 3  # a few probes at doubling intervals
     # a fixed n-gram source never calls the draft
     choices = simulate(policy, 50, {"ngram": 1.0}, {}, mode="ngram", ngram_available=3)
     assert {c.source for c in choices} == {"ngram"}
