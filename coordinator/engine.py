@@ -424,8 +424,8 @@ class Engine:
         drafts = proposal.draft_tokens
         source = plan.source if drafts else NONE
         prefetch = None
-        if (plan.source != DRAFT and spec.uses_draft and draft_up and run.calls["draft"] == 0
-                and base - record.draft_held > 2):
+        if (plan.source != DRAFT and spec.uses_draft and draft_up and allowed and run.calls["draft"] == 0
+                and base - record.draft_held > 2):  # (not while the governor holds plain decoding)
             prefetch = asyncio.ensure_future(self._prefetch_draft(run, params, draft_seed))
         lacking, misses = base - min(record.target_held, base - 1), stats.cache_misses
         t0 = time.perf_counter()

@@ -117,3 +117,26 @@ def test_a_plain_verdict_only_overrides_adaptive_auto_requests():
     assert spec.start("b", "auto", None).plan(history, 8, True, allowed=True).source != "none"
     assert spec.start("c", "auto", 3).plan(history, 8, True, allowed=False).gamma == 3  # fixed γ
     assert spec.start("d", "draft", None).plan(history, 8, True, allowed=False).source == "draft"
+
+
+def test_while_plain_decoding_holds_the_draft_gets_no_call_at_all(models):
+    """Under a plain verdict an adaptive request neither drafts nor sends the draft its prompt
+    ahead (work for a draft round that will not come), and its output is target-only's."""
+    import time
+
+    from tests.cluster import Cluster
+    from tests.spies import RequestRecorder
+
+    recorder = RequestRecorder("Propose", "Verify")
+    paths = models["llama"]
+    prompt = [3, 7, 5, 2, 8, 9, 4, 6, 1]
+    with Cluster(paths["draft"], paths["target"], interceptors=[recorder]) as cluster:
+        governor = cluster.coordinator.engine.governor
+        governor.min_load = 1  # govern this single stream: plain decoding holds at every load
+        governor.verdicts[0] = (PLAIN, time.monotonic())
+        held = cluster.complete(token_ids=prompt, max_new_tokens=12, ignore_eos=True)
+        calls = [name for name, _ in recorder.take()]
+        assert calls.count("Propose") == 0 and calls.count("Verify") == 12, calls
+        assert held.stats.draft_rounds == 0 and held.stats.draft_prefill_tokens == 0
+        plain = cluster.complete(token_ids=prompt, max_new_tokens=12, ignore_eos=True, num_speculative_tokens=0)
+        assert list(held.token_ids) == list(plain.token_ids)
