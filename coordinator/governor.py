@@ -19,8 +19,10 @@ What a trial costs is the time spent in the losing mode, so:
   only make the target's extra tokens dearer), speculation winning wins at any lower load. A
   load whose verdict follows from another's runs no trial of its own;
 - a trial starts with the mode that won last time near this load (plain when nothing is known:
-  under load that is the likelier winner), and the second epoch stops early once it trails the
-  first by `early_margin` over at least `min_count_s`.
+  under load that is the likelier winner), and the second epoch stops early once everything it
+  committed since it began (switching costs included) trails the first epoch's rate by
+  `early_margin`, after `min_count_s`;
+- a trial whose load moves to another band starts again at that band (it measured another load).
 A single stream is left to its own policy. Requests that fix γ or the proposer are never
 overridden.
 """
@@ -63,7 +65,8 @@ class LoadGovernor:
     _started: float = 0.0
     _counted_from: float = 0.0
     _counting: bool = False
-    _tokens: int = 0
+    _tokens: int = 0           # committed since counting began
+    _epoch_tokens: int = 0     # committed since the epoch began
 
     def speculate(self, load: int) -> bool:
         """Whether adaptive requests may speculate now (`load`: generations running)."""
@@ -72,7 +75,9 @@ class LoadGovernor:
             if self.phase.startswith("trial"):  # a trial needs the load it measures
                 self.phase, self.mode = "idle", SPECULATE
             return True
-        if self.phase.startswith("trial"):
+        if self.phase.startswith("trial") and load_band(load) != self._band:
+            self._start_trial(load_band(load), now)  # what it measured was another load
+        elif self.phase.startswith("trial"):
             self._advance(now, load)
         else:
             verdict = self.verdict(load_band(load), now)
@@ -85,6 +90,7 @@ class LoadGovernor:
     def record(self, tokens: int) -> None:
         """Tokens committed by any generation (the throughput being compared)."""
         self._tokens += tokens
+        self._epoch_tokens += tokens
 
     def verdict(self, band: int, now: float | None = None) -> str | None:
         """The mode that holds at a load band: its own fresh verdict, else one that follows from a
@@ -111,19 +117,22 @@ class LoadGovernor:
     def _start_trial(self, band: int, now: float) -> None:
         self._band, self._first = band, self._lean(band)
         self.rates = {}
+        log.info("load band %d: trying %s then %s", band, self._first, _other(self._first))
         self._begin(f"trial-{self._first}", self._first, now)
 
     def _advance(self, now: float, load: int) -> None:
         elapsed = now - self._started
-        if not self._counting:
+        second = self.mode != self._first
+        # the second epoch stops early when it trails the first even with everything it committed
+        # since it began (the previous mode's last rounds included, and the cost of switching)
+        trailing = (second and elapsed >= self.min_count_s
+                    and self._epoch_tokens / elapsed < (1.0 - self.early_margin) * self.rates[self._first])
+        if not self._counting and not trailing:
             if elapsed >= self.settle_s:
                 self._counting, self._tokens, self._counted_from = True, 0, now
             return
         counted = now - self._counted_from
-        rate = self._tokens / max(counted, 1e-9)
-        second = self.mode != self._first
-        trailing = (second and counted >= self.min_count_s
-                    and rate < (1.0 - self.early_margin) * self.rates[self._first])
+        rate = self._tokens / max(counted, 1e-9) if self._counting else self._epoch_tokens / elapsed
         if elapsed < self.epoch_s and not trailing:
             return
         self.rates[self.mode] = rate
@@ -137,5 +146,5 @@ class LoadGovernor:
         self._begin("hold", best, now)
 
     def _begin(self, phase: str, mode: str, now: float) -> None:
-        self.phase, self.mode, self._started, self._tokens = phase, mode, now, 0
+        self.phase, self.mode, self._started, self._tokens, self._epoch_tokens = phase, mode, now, 0, 0
         self._counting, self._counted_from = self.settle_s <= 0, now
