@@ -137,6 +137,7 @@ class Engine:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.context_length - 1,
                                      self.context_length - 1)
         self.active = 0  # requests generating now
+        self.adaptive = 0  # of them, adaptive `auto` ones (what the load governor can switch)
         self.verifying_tokens = 0  # tokens of the Verify calls in flight (what the target batches)
         self.governor = LoadGovernor() if config.load_governor else None
         self.metrics = metrics or Metrics("coordinator")
@@ -230,7 +231,9 @@ class Engine:
             raise ResourceExhausted(
                 f"{self.active} generations are running, the limit of this coordinator "
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
+        governed = mode.proposer == "auto" and mode.fixed_gamma is None  # what the governor may switch
         self.active += 1
+        self.adaptive += governed
         try:
             lease, added = await self._open(request)
             record = lease.record
@@ -252,6 +255,7 @@ class Engine:
                 await self.store.release(lease)
         finally:
             self.active -= 1
+            self.adaptive -= governed
 
     async def _abandon(self, record: SessionRecord, lease: Lease) -> None:
         """Free the KV caches a request leaves behind; its committed tokens stay in the store."""
@@ -397,7 +401,7 @@ class Engine:
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches
-        allowed = self.governor is None or self.governor.speculate(self.active)
+        allowed = self.governor is None or self.governor.speculate(self.adaptive)
         plan = spec.plan(record.token_ids, cap, draft_up, allowed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("session %s round: %s γ=%d (%s, est. speedup %.2f; α draft %s ngram %s; draft round "

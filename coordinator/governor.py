@@ -16,13 +16,18 @@ planned under the previous mode are still committing then.
 What a trial costs is the time spent in the losing mode, so:
 - verdicts are kept per load band (2–3, 4–7, 8–15, 16–31, … generations) and carried across
   bands one way: plain decoding winning at some load wins at any higher load (bigger batches
-  only make the target's extra tokens dearer), speculation winning wins at any lower load. A
-  load whose verdict follows from another's runs no trial of its own;
+  only make the target's extra tokens dearer), speculation winning wins at any lower load; a
+  decisive verdict (the loser at under half the winner's rate) also reaches one band the other
+  way (the load halves or doubles: so decisive a margin does not turn). A load whose verdict
+  follows from another's runs no trial of its own;
 - a trial starts with the mode that won last time near this load (plain when nothing is known:
   under load that is the likelier winner), and the second epoch stops early once everything it
   committed since it began (switching costs included) trails the first epoch's rate by
   `early_margin`, after `min_count_s`;
-- a trial whose load moves to another band starts again at that band (it measured another load).
+- a trial whose load moves to another band ends; that band's verdict holds, or its own trial
+  starts (it measured another load);
+- the load counted is the adaptive `auto` generations only: requests that fix γ or the source
+  are never switched, so trials among them would compare nothing.
 A single stream is left to its own policy. Requests that fix γ or the proposer are never
 overridden.
 """
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 SPECULATE, PLAIN = "speculate", "plain"
+DECISIVE = 0.5  # a loser's rate under this fraction of the winner's: the verdict reaches one band further
 log = logging.getLogger(__name__)
 
 
@@ -59,7 +65,7 @@ class LoadGovernor:
     mode: str = SPECULATE      # what adaptive requests do now
     phase: str = "idle"        # idle | trial-speculate | trial-plain | hold
     rates: dict = field(default_factory=dict)     # tokens/s measured per mode in the last trial
-    verdicts: dict = field(default_factory=dict)  # load band -> (winning mode, when decided)
+    verdicts: dict = field(default_factory=dict)  # load band -> (winner, when decided, loser/winner rate)
     _band: int = 0             # the band of the trial running
     _first: str = PLAIN        # the mode of the trial's first epoch
     _started: float = 0.0
@@ -75,11 +81,9 @@ class LoadGovernor:
             if self.phase.startswith("trial"):  # a trial needs the load it measures
                 self.phase, self.mode = "idle", SPECULATE
             return True
-        if self.phase.startswith("trial") and load_band(load) != self._band:
-            self._start_trial(load_band(load), now)  # what it measured was another load
-        elif self.phase.startswith("trial"):
+        if self.phase.startswith("trial") and load_band(load) == self._band:
             self._advance(now, load)
-        else:
+        else:  # no trial, or one whose load moved to another band (it measured another load)
             verdict = self.verdict(load_band(load), now)
             if verdict is None:
                 self._start_trial(load_band(load), now)
@@ -96,12 +100,15 @@ class LoadGovernor:
         """The mode that holds at a load band: its own fresh verdict, else one that follows from a
         fresh verdict at another band (plain below it, speculate above it); None: try."""
         now = self.clock() if now is None else now
-        fresh = {b: mode for b, (mode, at) in self.verdicts.items() if now - at < self.hold_s}
+        fresh = {b: (mode, ratio) for b, (mode, at, ratio) in self.verdicts.items() if now - at < self.hold_s}
         if band in fresh:
-            return fresh[band]
-        if any(mode == PLAIN and b < band for b, mode in fresh.items()):
+            return fresh[band][0]
+        # a decisive verdict (the loser under DECISIVE of the winner) also holds one band beyond
+        if any(mode == PLAIN and (b < band or (b == band + 1 and ratio < DECISIVE))
+               for b, (mode, ratio) in fresh.items()):
             return PLAIN
-        if any(mode == SPECULATE and b > band for b, mode in fresh.items()):
+        if any(mode == SPECULATE and (b > band or (b == band - 1 and ratio < DECISIVE))
+               for b, (mode, ratio) in fresh.items()):
             return SPECULATE
         return None
 
@@ -140,7 +147,7 @@ class LoadGovernor:
             self._begin(f"trial-{_other(self._first)}", _other(self._first), now)
             return
         best = SPECULATE if self.rates[SPECULATE] >= self.rates[PLAIN] else PLAIN
-        self.verdicts[self._band] = (best, now)
+        self.verdicts[self._band] = (best, now, self.rates[_other(best)] / max(self.rates[best], 1e-9))
         log.info("load %d: %.1f tok/s speculating, %.1f plain%s: %s for %.0f s", load, self.rates[SPECULATE],
                  self.rates[PLAIN], " (stopped early)" if trailing else "", best, self.hold_s)
         self._begin("hold", best, now)

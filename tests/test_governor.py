@@ -98,7 +98,8 @@ def test_plain_at_a_load_carries_to_higher_loads_and_speculation_to_lower():
     assert governor.verdict(load_band(4)) == SPECULATE
     assert governor.verdict(load_band(2)) == SPECULATE  # implied below
     assert governor.speculate(2) and governor.phase == "hold"
-    assert governor.verdict(load_band(8)) is None  # between a speculate and a plain verdict
+    # 8-15: speculation won decisively at 4-7 (400 vs 150), plain narrowly at 16-31: speculate
+    assert governor.verdict(load_band(8)) == SPECULATE
 
 
 def test_a_close_second_epoch_runs_its_length():
@@ -120,6 +121,24 @@ def test_a_trial_starts_again_when_the_load_moves_to_another_band():
     assert not governor.speculate(16) and governor.phase == "trial-plain"
     run(governor, clock, 16, 14.0, speculating_rate=190.0, plain_rate=330.0)
     assert set(governor.verdicts) == {load_band(16)} and governor.verdicts[load_band(16)][1] > started + 6
+
+
+def test_a_decisive_verdict_reaches_one_band_the_other_way():
+    clock = Clock()
+    governor = LoadGovernor(clock=clock)
+    run(governor, clock, 16, 14.0, speculating_rate=60.0, plain_rate=330.0, settle=0.5)  # far behind
+    assert governor.verdicts[load_band(16)][2] < 0.5
+    assert governor.verdict(load_band(8)) == PLAIN and governor.verdict(load_band(4)) is None
+    assert not governor.speculate(8) and governor.phase == "hold"
+
+
+def test_a_trial_moving_to_a_band_with_a_verdict_follows_it():
+    clock = Clock()
+    governor = LoadGovernor(clock=clock)
+    run(governor, clock, 16, 14.0, speculating_rate=190.0, plain_rate=330.0)
+    clock.now += 1.0
+    assert not governor.speculate(4) and governor.phase == "trial-plain"  # no verdict at 4-7
+    assert not governor.speculate(32) and governor.phase == "hold"  # plain at 16 holds at 32
 
 
 def test_a_trial_stops_when_the_load_goes():
@@ -155,7 +174,7 @@ def test_while_plain_decoding_holds_the_draft_gets_no_call_at_all(models):
     with Cluster(paths["draft"], paths["target"], interceptors=[recorder]) as cluster:
         governor = cluster.coordinator.engine.governor
         governor.min_load = 1  # govern this single stream: plain decoding holds at every load
-        governor.verdicts[0] = (PLAIN, time.monotonic())
+        governor.verdicts[0] = (PLAIN, time.monotonic(), 0.0)
         held = cluster.complete(token_ids=prompt, max_new_tokens=12, ignore_eos=True)
         calls = [name for name, _ in recorder.take()]
         assert calls.count("Propose") == 0 and calls.count("Verify") == 12, calls
