@@ -47,27 +47,16 @@ def _quiet_libraries() -> None:
 
 # ---- serve ------------------------------------------------------------------------------------
 
-def _idle_threads_sleep(device: str) -> None:
-    """On a CPU, make torch's OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE) unless the
-    environment says otherwise. By default they spin for a while after each parallel region: a
-    model service that runs a forward and then waits for its next call burns a core doing
-    nothing, and where the draft and target share a machine that core is taken from the other
-    service's forward. Must run before torch is imported (OpenMP reads it once)."""
-    if device == "cpu" and "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def _serve_model(kind: str, args: argparse.Namespace) -> int:
-    config_class = DraftConfig if kind == "draft" else TargetConfig
-    config = from_sources(config_class, kind, vars(args))
-    _idle_threads_sleep(config.device)
     from specdec.rpc.security import CredentialsError
     from specdec.runtime.loader import ModelLoadError
 
     if kind == "draft":
         from draft_service.server import start
+        config = from_sources(DraftConfig, "draft", vars(args))
     else:
         from target_service.server import start
+        config = from_sources(TargetConfig, "target", vars(args))
     if not config.model:
         raise SystemExit(f"specdec serve {kind}: --model is required (env SPECDEC_{kind.upper()}_MODEL)")
     try:
