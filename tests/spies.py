@@ -1,9 +1,12 @@
 """Recording spies for the real in-process servers: a gRPC server interceptor that keeps a
-copy of every request message of the methods it watches, then lets the call through."""
+copy of every request message of the methods it watches, then lets the call through; and
+`held_worker`, which occupies a service's model worker so that calls queue behind it."""
 
 from __future__ import annotations
 
 import threading
+import time
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -64,3 +67,24 @@ class RequestRecorder(grpc.aio.ServerInterceptor):
         with self._lock:
             calls, self.calls = self.calls, []
         return calls
+
+
+@contextmanager
+def held_worker(servicer, queued: int | None = None):
+    """Occupy the model worker; on exit, wait until `queued` calls wait for it, then free it."""
+    started, free = threading.Event(), threading.Event()
+
+    def hold():
+        started.set()
+        free.wait(60)
+
+    servicer.worker.submit(hold)
+    assert started.wait(10)
+    try:
+        yield
+        deadline = time.monotonic() + 30
+        while queued is not None and servicer.worker.queue_depth < queued:
+            assert time.monotonic() < deadline, "the calls never queued"
+            time.sleep(0.01)
+    finally:
+        free.set()

@@ -12,10 +12,8 @@ run alone. The K/V buffers are checked against the DynamicCache path they replac
 from __future__ import annotations
 
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -31,6 +29,7 @@ from specdec.runtime.runner import ModelRunner, Row
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service import server as target_server
 from tests.cluster import Cluster, _free_port
+from tests.spies import held_worker
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 SAMPLED = common_pb2.SamplingParams(temperature=0.8, top_k=0, top_p=0.95)
@@ -85,27 +84,6 @@ def test_concurrent_sessions_equal_one_at_a_time(models, arch, sampled):
 
 
 # ---- one batch for certain, at the service level -------------------------------------------------
-
-@contextmanager
-def _held(servicer, queued: int | None = None):
-    """Occupy the model worker; on exit, wait until `queued` calls wait for it, then free it."""
-    started, free = threading.Event(), threading.Event()
-
-    def hold():
-        started.set()
-        free.wait(60)
-
-    servicer.worker.submit(hold)
-    assert started.wait(10)
-    try:
-        yield
-        deadline = time.monotonic() + 30
-        while queued is not None and servicer.worker.queue_depth < queued:
-            assert time.monotonic() < deadline, "the calls never queued"
-            time.sleep(0.01)
-    finally:
-        free.set()
-
 
 def _outcome(future) -> tuple:
     try:
@@ -186,7 +164,7 @@ def test_one_verify_batch_equals_each_call_alone(target):
                                    draft_probs=[common_pb2.SparseDistribution(token_ids=[2], probs=[float("nan")])],
                                    sampling=SAMPLED)
     before = servicer.scheduler.batch_sizes.copy()
-    with _held(servicer, queued=len(requests) + 1):
+    with held_worker(servicer, queued=len(requests) + 1):
         futures = [stub.Verify.future(r, timeout=60) for r in requests + [miss]]
         bad_outcome = _outcome(stub.Verify.future(bad, timeout=60))
     outcomes = [_outcome(f) for f in futures]
@@ -219,7 +197,7 @@ def test_one_propose_batch_equals_each_call_alone(draft):
     miss = draft_pb2.ProposeRequest(session_id="p-none", prefix_len=4, prefix_hash=1, new_tokens=[3],
                                     num_speculative_tokens=2, sampling=GREEDY)
     before = servicer.scheduler.batch_sizes.copy()
-    with _held(servicer, queued=len(requests) + 1):
+    with held_worker(servicer, queued=len(requests) + 1):
         futures = [stub.Propose.future(r, timeout=60) for r in requests + [miss]]
     outcomes = [_outcome(f) for f in futures]
     assert servicer.scheduler.batch_sizes - before == {len(requests) + 1: 1}, "not one batch"
@@ -238,7 +216,7 @@ def test_queued_calls_hold_their_place_in_the_bounded_queue(models):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = draft_pb2_grpc.DraftServiceStub(channel)
             request = dict(prefix_len=0, new_tokens=[4, 5, 6], num_speculative_tokens=3, sampling=GREEDY)
-            with _held(servicer, queued=3):
+            with held_worker(servicer, queued=3):
                 futures = [stub.Propose.future(draft_pb2.ProposeRequest(session_id=f"q{i}", **request), timeout=60)
                            for i in range(3)]
                 deadline = time.monotonic() + 30

@@ -6,9 +6,7 @@ stream methods gets unary calls. Real servers on loopback, tiny float64 models."
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -23,6 +21,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 from draft_service import server as draft_server
 from target_service import server as target_server
 from tests.cluster import Cluster, LoopThread, _free_port
+from tests.spies import held_worker
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
@@ -43,23 +42,6 @@ class MethodLog(grpc.aio.ServerInterceptor):
     def take(self) -> list[str]:
         methods, self.methods = self.methods, []
         return methods
-
-
-@contextmanager
-def held(servicer):
-    """Occupy the service's model worker until the block ends, so calls queue behind it."""
-    started, free = threading.Event(), threading.Event()
-
-    def hold():
-        started.set()
-        free.wait(60)
-
-    servicer.worker.submit(hold)
-    assert started.wait(10)
-    try:
-        yield
-    finally:
-        free.set()
 
 
 async def queued(servicer, n: int) -> None:
@@ -172,7 +154,7 @@ def test_concurrent_calls_of_many_sessions_share_one_stream_and_one_batch(target
                          params=GREEDY if i % 2 else SAMPLED)
                  for i, h in enumerate(histories)]
         before = servicer.scheduler.batch_sizes.copy()
-        with held(servicer):
+        with held_worker(servicer):
             tasks = [asyncio.ensure_future(c) for c in calls]
             await queued(servicer, len(tasks))
         got = await asyncio.gather(*tasks)
@@ -222,7 +204,7 @@ def test_a_full_queue_answers_resource_exhausted_with_its_retry_hint(target, run
 
     async def scenario():
         streamed, unary = (TargetClient(address, 30, MB16, transport=t) for t in ("stream", "unary"))
-        with held(servicer):
+        with held_worker(servicer):
             tasks = [asyncio.ensure_future(_verify(streamed, f"q{i}", [], [4, 5, 6]))
                      for i in range(servicer.worker.max_queue)]
             await queued(servicer, servicer.worker.max_queue)
@@ -248,7 +230,7 @@ def test_a_call_whose_deadline_passed_while_queued_is_dropped(target, run):
         request = target_pb2.VerifyRequest(session_id="late-raw", prefix_len=0, new_tokens=[1, 2],
                                            sampling=common_pb2.SamplingParams(temperature=0.0))
         before = servicer.scheduler.batch_sizes.copy()
-        with held(servicer):
+        with held_worker(servicer):
             await stream.write(target_pb2.VerifyStreamRequest(call_id=41, request=request, timeout_ms=200))
             late = asyncio.ensure_future(_failure(_verify(client, "late", [], [1, 2])))
             await queued(servicer, 2)
@@ -277,7 +259,7 @@ def test_a_cancelled_caller_drops_its_call_and_the_stream_serves_on(draft, run):
         client = DraftClient(address, 30, MB16)
         first = await client.propose("x", 0, 0, [3, 4, 5], 2, GREEDY, 1)
         stream = client.propose_stream._stream
-        with held(servicer):
+        with held_worker(servicer):
             task = asyncio.ensure_future(client.propose("y", 0, 0, [3, 4, 5], 2, GREEDY, 1))
             await queued(servicer, 1)
             task.cancel()
@@ -301,7 +283,7 @@ def test_a_stopped_server_fails_calls_like_a_dead_one_and_a_new_one_is_used(mode
         nonlocal server, servicer
         client = TargetClient(address, 30, MB16)
         await _verify(client, "s", [], [1, 2, 3])
-        with held(servicer):
+        with held_worker(servicer):
             pending = asyncio.ensure_future(_failure(_verify(client, "s", [1, 2, 3], [4], wait_for_ready=False)))
             await queued(servicer, 1)
             stopping = server.stop(None)
