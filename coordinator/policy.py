@@ -33,7 +33,8 @@ Exploration: a source with fewer than `warmup_rounds` observed rounds is tried w
 `default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
 `probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
 the source wins on its own again — so α never freezes, and a useless draft costs a bounded,
-shrinking number of rounds.
+shrinking number of rounds. A source that was winning and stopped (a few rejections pulled its
+α down) is first probed after `lapsed_probe_interval` rounds: a good draft comes back quickly.
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ class PolicyConfig:
     default_gamma: int = 4             # γ of the warm-up rounds of a source without data
     warmup_rounds: int = 2             # observed rounds before a source is judged on its data
     probe_gamma: int = 2               # γ of a probe of a source the policy stopped using
-    probe_interval: int = 4            # eligible rounds without a source before it is probed
+    probe_interval: int = 16           # eligible rounds without a source before it is probed
+    lapsed_probe_interval: int = 4     # the same for a source that was winning until it stopped
     max_probe_interval: int = 256      # the interval doubles per probe up to this
     alpha_decay: float = 0.9           # weight kept by past rounds in α, per observed round
     timing_decay: float = 0.9          # the same for the timing fits
@@ -381,7 +383,9 @@ class SessionPolicy:
         top = max(options, key=lambda option: option.speedup)  # ties: the first (draft)
         if fixed_gamma is None and top.speedup <= 1.0 + self.config.min_gain:
             return Choice(NONE, 0, "best")
-        self.sources[top.source].probe_interval = self.config.probe_interval
+        if top.speedup > 1.0 + self.config.min_gain:  # it wins (not merely forced by a fixed γ):
+            # once it stops, it is probed soon (its α may have dipped on a few rounds)
+            self.sources[top.source].probe_interval = self.config.lapsed_probe_interval
         return top
 
     def _chose(self, caps: dict[str, int], choice: Choice) -> Choice:
