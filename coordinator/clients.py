@@ -103,11 +103,12 @@ class DraftClient(ServiceClient):
 
     async def propose(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                       gamma: int, params: SamplingParams, seed: int, timeout_s: float | None = None,
-                      hints: list[int] | None = None) -> Proposal:
+                      hints: list[int] | None = None, min_confidence: float = 0.0) -> Proposal:
         """Fails fast (no waiting for a connection): a missing draft makes the round target-only."""
         request = draft_pb2.ProposeRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed, hint_tokens=hints,
+            min_confidence=min_confidence,
         )
         response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False,
                                    stream=self.propose_stream)

@@ -144,7 +144,8 @@ class Engine:
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
                                        config.ngram_max, config.ngram_max_tokens, config.draft_cost_ratio,
-                                       draft_hints=config.draft_hints)
+                                       draft_hints=config.draft_hints,
+                                       min_confidence=config.draft_min_confidence)
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -416,7 +417,8 @@ class Engine:
             lacking, misses = base - min(record.draft_held, base - 1), stats.cache_misses
             t0 = time.perf_counter()
             try:
-                proposal = await self._propose(run, plan.gamma, params, draft_seed, plan.tokens)
+                proposal = await self._propose(run, plan.gamma, params, draft_seed, plan.tokens,
+                                               plan.min_confidence)
             except (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument) as exc:
                 self.routes.failed("draft", record.draft_address)  # its sessions move
                 stats.fallback_rounds += 1
@@ -470,11 +472,11 @@ class Engine:
             return False
 
     async def _propose(self, run: _Run, gamma: int, params: SamplingParams, seed: int,
-                       hints: list[int] | None = None) -> Proposal:
+                       hints: list[int] | None = None, min_confidence: float = 0.0) -> Proposal:
         sid = run.record.session_id
         return await self._with_resend(run, "draft", lambda draft, prefix, new_tokens: draft.propose(
             sid, prefix, run.hashes.at(prefix), new_tokens, gamma, params, seed,
-            timeout_s=self.config.draft_timeout_s, hints=hints))
+            timeout_s=self.config.draft_timeout_s, hints=hints, min_confidence=min_confidence))
 
     async def _verify(self, run: _Run, drafts: list[int], proposal: Proposal, params: SamplingParams,
                       seed: int) -> Verdict:

@@ -10,7 +10,9 @@ proposer indexing the session's history incrementally.
 A round: ``plan = spec.plan(history, cap, draft_available)``; an n-gram plan carries its
 tokens (the proposal distribution of each is one-hot: `one_hot_dists`); under `auto` a
 draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
-forward and keeps where it agrees (so γ draft steps may propose more than γ tokens); after
+forward and keeps where it agrees (so γ draft steps may propose more than γ tokens), and an
+adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
+unsure of (draft_service/proposer.py), so γ is a ceiling the draft fills only where it is sure; after
 verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
 """
 
@@ -57,6 +59,7 @@ class Plan:
     reason: str = ""
     propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
     speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
+    min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
 
 
 def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
@@ -70,12 +73,14 @@ class RequestSpeculation:
 
     def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: str,
                  fixed_gamma: int | None, priors: dict[str, AcceptanceEstimate] | None = None,
-                 draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None) -> None:
+                 draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
+                 min_confidence: float = 0.0) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
         self.draft_hints = draft_hints and mode == "auto" and fixed_gamma is None  # a fixed γ is γ tokens
+        self.min_confidence = min_confidence if fixed_gamma is None else 0.0  # likewise
         # prompt lookup's α per match length over all sessions (fed here, read by new sessions)
         self.order_priors = order_priors if order_priors is not None else {}
         self._order = 0  # the match length of the planned n-gram round
@@ -103,9 +108,10 @@ class RequestSpeculation:
         if choice.source == NGRAM:
             return Plan(NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
                         time.perf_counter() - t0, choice.speedup)
-        if choice.source == DRAFT and self.draft_hints:
-            return Plan(DRAFT, choice.gamma, candidates[:max(0, cap - choice.gamma)], choice.reason,
-                        speedup=choice.speedup)
+        if choice.source == DRAFT:
+            hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
+            return Plan(DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
+                        min_confidence=self.min_confidence)
         return Plan(choice.source, choice.gamma, [], choice.reason, speedup=choice.speedup)
 
     def observe(self, source: str, proposed: int, accepted: int, *,
@@ -138,18 +144,21 @@ class Speculation:
     """One per coordinator: the shared round costs and the sessions' policies."""
 
     def __init__(self, max_gamma: int, default_gamma: int, ngram_max: int, ngram_max_tokens: int,
-                 cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True) -> None:
+                 cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True,
+                 min_confidence: float = 0.0) -> None:
         if ngram_max < 1 or ngram_max_tokens < 1:
             raise ValueError(f"need ngram_max >= 1 and ngram_max_tokens >= 1, got {ngram_max}, "
                              f"{ngram_max_tokens}")
         if cost_ratio < 0:
             raise ValueError(f"draft cost ratio must be >= 0 (0 = measure), got {cost_ratio}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"draft min confidence must be in [0, 1) (0 = off), got {min_confidence}")
         self.config = PolicyConfig(max_gamma=max_gamma, default_gamma=max(1, min(default_gamma, max_gamma)),
                                    probe_gamma=max(1, min(2, max_gamma)))
         self.costs = FixedCosts(cost_ratio) if cost_ratio > 0 else CostModel(
             self.config.timing_decay, self.config.default_cost_ratio)
         self.ngram_max, self.ngram_max_tokens = ngram_max, ngram_max_tokens
-        self.max_sessions, self.draft_hints = max_sessions, draft_hints
+        self.max_sessions, self.draft_hints, self.min_confidence = max_sessions, draft_hints, min_confidence
         self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
         # α per source over all sessions: a new session starts from it instead of warming up
         self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
@@ -178,4 +187,4 @@ class Speculation:
     def start(self, session_id: str, mode: str, fixed_gamma: int | None) -> RequestSpeculation:
         ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
         return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
-                                  self.draft_hints, self.order_priors)
+                                  self.draft_hints, self.order_priors, self.min_confidence)

@@ -6,6 +6,12 @@ distribution q — greedy: a hint is kept while it is q's argmax; sampled: kept 
 q(hint), else replaced by a draw from q without the hint, so every proposed token is still
 exactly a draw from the q reported with it and the target's acceptance step stays lossless.
 The kept hints cost no draft step: a round of γ steps proposes γ + (hints kept) tokens.
+
+A call may stop early (`min_confidence`): after a token the draft itself gave less than that
+probability, further tokens would mostly be rejected, so the call returns what it has (as HF's
+assistant_confidence_threshold does). The rule looks at the draft's numbers only, never the
+target's, so the acceptance step stays lossless; it lets a caller ask for a long γ and pay for
+the draft steps only where the draft is sure.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class ProposeCall:
     params: SamplingParams
     seed: int
     hints: tuple[int, ...] = ()  # candidate tokens checked in the first forward (may be empty)
+    min_confidence: float = 0.0  # stop after a drafted token the draft gave less probability (0 = off)
 
 
 @dataclass
@@ -48,16 +55,25 @@ class _Drafting:
     tokens: list[int] = field(default_factory=list)
     dists: list[SparseDist] = field(default_factory=list)
     hints_kept: int = 0  # leading tokens that are hints the draft agreed with
-    stopped: bool = False  # its cache could not drop rejected hints: no more steps
+    stopped: bool = False  # no more steps: its cache could not drop rejected hints, or it is unsure
 
     @property
     def done(self) -> bool:
         """γ steps drafted: each step proposes one token of its own, the kept hints come free."""
         return self.stopped or len(self.tokens) >= self.call.gamma + self.hints_kept
 
-    def add(self, token: int, dist: SparseDist) -> None:
+    def add(self, token: int, dist: SparseDist, confidence: float = 1.0) -> None:
+        """Append a drafted token; one drafted with less than min_confidence ends the call."""
         self.tokens.append(token)
         self.dists.append(dist)
+        if confidence < self.call.min_confidence:
+            self.stopped = True
+
+
+def _greedy_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The draft's probability of its argmax token: logits [n, vocab] -> [n] (softmax at T = 1)."""
+    logits = logits.float()
+    return torch.exp(logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1))
 
 
 class ModelProposer:
@@ -68,9 +84,12 @@ class ModelProposer:
         self.proposal_top_k = proposal_top_k
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], gamma: int,
-             params: SamplingParams, seed: int, hints: Sequence[int] = ()) -> ProposeCall:
+             params: SamplingParams, seed: int, hints: Sequence[int] = (),
+             min_confidence: float = 0.0) -> ProposeCall:
         """Validate a request without touching any cache."""
         limit = self.runner.description.max_speculative_tokens
+        if not 0.0 <= min_confidence < 1.0:  # (NaN fails too)
+            raise InvalidArgument(f"min_confidence must be in [0, 1) (0 = off), got {min_confidence}")
         if not 1 <= gamma <= limit:
             raise InvalidArgument(f"num_speculative_tokens must be in [1, {limit}], got {gamma}")
         if gamma + len(hints) > limit:
@@ -78,7 +97,8 @@ class ModelProposer:
                                   f"most draft tokens a call may return), got {gamma} + {len(hints)}")
         self.runner.check_token_ids(hints, "hint_tokens")
         self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1 + len(hints))
-        return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed, tuple(hints))
+        return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed, tuple(hints),
+                           min_confidence)
 
     def _check_hints(self, drafting: _Drafting, logits: torch.Tensor) -> None:
         """The first step of a call with hints: logits [hints + 1, vocab], row i the draft's
@@ -90,7 +110,8 @@ class ModelProposer:
             kept = next((i for i, hint in enumerate(hints) if argmax[i] != hint), len(hints))
             for i in range(kept):
                 drafting.add(hints[i], SparseDist.one_hot(hints[i]))
-            drafting.add(argmax[kept], SparseDist.one_hot(argmax[kept]))
+            confidence = float(_greedy_confidence(logits[kept:kept + 1])[0]) if drafting.call.min_confidence else 1.0
+            drafting.add(argmax[kept], SparseDist.one_hot(argmax[kept]), confidence)
         else:
             ids, probs = proposal_top_k(logits, params, self.proposal_top_k)  # [hints + 1, K]
             kept = len(hints)
@@ -105,8 +126,8 @@ class ModelProposer:
                         drafting.add(hints[i], dist)
                         continue
                     kept, row_probs = i, row_probs.masked_fill(is_hint, 0.0)  # q without the hint
-                token = int(row_ids[torch.multinomial(row_probs, 1, generator=generator)].item())
-                drafting.add(token, dist)
+                pick = int(torch.multinomial(row_probs, 1, generator=generator).item())
+                drafting.add(int(row_ids[pick]), dist, float(dist.probs[pick]))
                 break
         drafting.hints_kept = kept
         if not drafting.entry.crop(len(drafting.entry) - (len(hints) - kept)):  # drop the rejected hints
@@ -125,15 +146,19 @@ class ModelProposer:
         for params, members in groups.items():
             stacked = torch.cat([logits[i] for i in members])  # [g, vocab]
             if params.greedy:
-                for i, token in zip(members, stacked.argmax(dim=-1).tolist()):
-                    live[i].add(token, SparseDist.one_hot(token))
+                confidence = [1.0] * len(members)
+                if any(live[i].call.min_confidence for i in members):
+                    confidence = _greedy_confidence(stacked).tolist()
+                for i, token, sure in zip(members, stacked.argmax(dim=-1).tolist(), confidence):
+                    live[i].add(token, SparseDist.one_hot(token), sure)
                 continue
             ids, probs = proposal_top_k(stacked, params, self.proposal_top_k)  # [g, K]
             for row, i in enumerate(members):
                 keep = probs[row] > 0
                 row_ids, row_probs = ids[row][keep], probs[row][keep]  # [K']
-                token = int(row_ids[torch.multinomial(row_probs, 1, generator=live[i].generator)].item())
-                live[i].add(token, SparseDist(tuple(row_ids.tolist()), tuple(row_probs.tolist())))
+                pick = int(torch.multinomial(row_probs, 1, generator=live[i].generator).item())
+                dist = SparseDist(tuple(row_ids.tolist()), tuple(row_probs.tolist()))
+                live[i].add(dist.token_ids[pick], dist, dist.probs[pick])
 
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal | Exception]:
         """Run on the model worker: roll each session back and append its new tokens in ONE

@@ -45,7 +45,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         call = self.proposer.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
-            list(request.hint_tokens),
+            list(request.hint_tokens), request.min_confidence,
         )
         proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline)
         return draft_pb2.ProposeResponse(

@@ -123,6 +123,10 @@ class CoordinatorConfig(ServerTlsConfig):
                               "minute (requests that fix γ or the proposer are left alone)")
     draft_hints: bool = opt(True, "under proposer auto, send prompt lookup's tokens with a draft-model "
                             "round as hints: the draft keeps those it agrees with at no extra step")
+    draft_min_confidence: float = opt(0.4, "adaptive γ: the draft stops proposing after a token it "
+                                      "gave less than this probability, so γ is a ceiling it fills "
+                                      "only where it is sure (0 = always exactly γ; a fixed γ is "
+                                      "always exactly γ)")
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")

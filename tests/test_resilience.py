@@ -66,8 +66,12 @@ def test_draft_down_falls_back_to_target_only(services):
         assert last.stats.fallback_rounds > 0
         draft.start()
         time.sleep(0.6)
-        again = coordinator.complete(**LONG)
-        assert list(again.token_ids) == expected
+        give_up = time.monotonic() + 20  # a loaded machine may answer the health checks late
+        while True:
+            again = coordinator.complete(**LONG)
+            assert list(again.token_ids) == expected
+            if again.stats.fallback_rounds == 0 or time.monotonic() > give_up:
+                break
         assert again.stats.fallback_rounds == 0 and again.stats.draft_tokens > 0  # the draft is back in use
     finally:
         coordinator.stop()

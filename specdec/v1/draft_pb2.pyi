@@ -20,7 +20,7 @@ class DraftServiceGetModelInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash", "hint_tokens")
+    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash", "hint_tokens", "min_confidence")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class ProposeRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     HINT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -37,7 +38,8 @@ class ProposeRequest(_message.Message):
     seed: int
     prefix_hash: int
     hint_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., hint_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., hint_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "draft_probs", "cached_len", "num_hint_tokens_kept")
