@@ -26,6 +26,9 @@ What a trial costs is the time spent in the losing mode, so:
   `early_margin`, after `min_count_s`;
 - a trial whose load moves to another band ends; that band's verdict holds, or its own trial
   starts (it measured another load);
+- a verdict that repeats the last one at its band, decisively, is held twice as long as that
+  one was (up to `max_hold_s`): a load where speculation keeps losing by far pays for a trial
+  every few minutes, not every `hold_s`;
 - the load counted is the adaptive `auto` generations only: requests that fix γ or the source
   are never switched, so trials among them would compare nothing.
 A single stream is left to its own policy. Requests that fix γ or the proposer are never
@@ -61,11 +64,12 @@ class LoadGovernor:
     min_count_s: float = 2.0   # counted seconds before the second epoch may stop early
     early_margin: float = 0.1  # ... when its rate trails the first epoch's by this fraction
     hold_s: float = 120.0      # how long a verdict holds before the next trial
+    max_hold_s: float = 960.0  # ... up to this, doubling while it repeats decisively
     clock: Callable[[], float] = time.monotonic
     mode: str = SPECULATE      # what adaptive requests do now
     phase: str = "idle"        # idle | trial-speculate | trial-plain | hold
     rates: dict = field(default_factory=dict)     # tokens/s measured per mode in the last trial
-    verdicts: dict = field(default_factory=dict)  # load band -> (winner, when decided, loser/winner rate)
+    verdicts: dict = field(default_factory=dict)  # band -> (winner, when decided, loser/winner rate, held for s)
     _band: int = 0             # the band of the trial running
     _first: str = PLAIN        # the mode of the trial's first epoch
     _started: float = 0.0
@@ -100,7 +104,7 @@ class LoadGovernor:
         """The mode that holds at a load band: its own fresh verdict, else one that follows from a
         fresh verdict at another band (plain below it, speculate above it); None: try."""
         now = self.clock() if now is None else now
-        fresh = {b: (mode, ratio) for b, (mode, at, ratio) in self.verdicts.items() if now - at < self.hold_s}
+        fresh = {b: (mode, ratio) for b, (mode, at, ratio, hold) in self.verdicts.items() if now - at < hold}
         if band in fresh:
             return fresh[band][0]
         # a decisive verdict (the loser under DECISIVE of the winner) also holds one band beyond
@@ -147,9 +151,13 @@ class LoadGovernor:
             self._begin(f"trial-{_other(self._first)}", _other(self._first), now)
             return
         best = SPECULATE if self.rates[SPECULATE] >= self.rates[PLAIN] else PLAIN
-        self.verdicts[self._band] = (best, now, self.rates[_other(best)] / max(self.rates[best], 1e-9))
+        ratio = self.rates[_other(best)] / max(self.rates[best], 1e-9)
+        hold, last = self.hold_s, self.verdicts.get(self._band)
+        if last is not None and last[0] == best and last[2] < DECISIVE and ratio < DECISIVE:
+            hold = min(2 * last[3], max(self.max_hold_s, self.hold_s))  # the same, by far, again
+        self.verdicts[self._band] = (best, now, ratio, hold)
         log.info("load %d: %.1f tok/s speculating, %.1f plain%s: %s for %.0f s", load, self.rates[SPECULATE],
-                 self.rates[PLAIN], " (stopped early)" if trailing else "", best, self.hold_s)
+                 self.rates[PLAIN], " (stopped early)" if trailing else "", best, hold)
         self._begin("hold", best, now)
 
     def _begin(self, phase: str, mode: str, now: float) -> None:

@@ -86,6 +86,23 @@ def test_a_verdict_holds_then_is_tried_again_starting_with_the_winner():
     assert not governor.speculate(16) and governor.phase == "trial-plain"  # tried again, plain first
 
 
+def test_a_verdict_repeated_by_far_is_held_longer_a_close_one_not():
+    clock = Clock()
+    governor = LoadGovernor(clock=clock, hold_s=60.0, max_hold_s=200.0)
+    holds = []
+    for _ in range(4):  # speculation far behind each time: 60, 120, 200 (the cap), 200
+        run(governor, clock, 16, 14.0, speculating_rate=60.0, plain_rate=330.0, settle=0.5)
+        winner, decided, ratio, hold = governor.verdicts[load_band(16)]
+        assert winner == PLAIN and ratio < 0.5
+        holds.append(hold)
+        clock.now = decided + hold - 1.0
+        assert not governor.speculate(16) and governor.phase == "hold"  # still held
+        clock.now = decided + hold + 1.0
+    assert holds == [60.0, 120.0, 200.0, 200.0]
+    run(governor, clock, 16, 14.0, speculating_rate=300.0, plain_rate=330.0, settle=0.5)  # close now
+    assert governor.verdicts[load_band(16)][3] == 60.0
+
+
 def test_plain_at_a_load_carries_to_higher_loads_and_speculation_to_lower():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
@@ -174,7 +191,7 @@ def test_while_plain_decoding_holds_the_draft_gets_no_call_at_all(models):
     with Cluster(paths["draft"], paths["target"], interceptors=[recorder]) as cluster:
         governor = cluster.coordinator.engine.governor
         governor.min_load = 1  # govern this single stream: plain decoding holds at every load
-        governor.verdicts[0] = (PLAIN, time.monotonic(), 0.0)
+        governor.verdicts[0] = (PLAIN, time.monotonic(), 0.0, governor.hold_s)
         held = cluster.complete(token_ids=prompt, max_new_tokens=12, ignore_eos=True)
         calls = [name for name, _ in recorder.take()]
         assert calls.count("Propose") == 0 and calls.count("Verify") == 12, calls
