@@ -3,6 +3,7 @@ counters move exactly as the returned stats say."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -100,7 +101,16 @@ def test_prompt_lookup_makes_no_draft_call_and_errors_count_by_code(metered):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError):
         cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="no-such-session"), timeout=10)
-    after = scrape_all(ports)
+    # an aborted call's status reaches the client a moment before the server counts it: scrape
+    # until both errors are counted (or 5 s pass: the asserts below then say which is missing)
+    give_up = time.monotonic() + 5
+    while True:
+        after = scrape_all(ports)
+        counted = [moved(before, after, "coordinator", "specdec_requests_total", method=method, code=code)
+                   for method, code in (("Complete", "INVALID_ARGUMENT"), ("GetSession", "NOT_FOUND"))]
+        if min(counted) >= 1 or time.monotonic() > give_up:
+            break
+        time.sleep(0.05)
     assert response.stats.ngram_rounds > 0 and response.stats.ngram_accepted_tokens > 0
     assert moved(before, after, "draft", "specdec_requests_total", method="Propose", code="OK") == 0
     assert moved(before, after, "coordinator", "specdec_num_drafts_total", proposer="draft") == 0
