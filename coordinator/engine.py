@@ -35,7 +35,7 @@ from coordinator.governor import LoadGovernor
 from coordinator.lease_keeper import LeaseKeeper
 from coordinator.policy import DRAFT, NGRAM, NONE
 from coordinator.routing import Routes
-from coordinator.speculation import MODES, Plan, RequestSpeculation, Speculation, one_hot_dists
+from coordinator.speculation import MODES, Plan, RequestSpeculation, Speculation, is_governed, one_hot_dists
 from coordinator.stats import GenerationStats
 from coordinator.store import Lease, SessionRecord, SessionStore
 
@@ -232,7 +232,7 @@ class Engine:
             raise ResourceExhausted(
                 f"{self.active} generations are running, the limit of this coordinator "
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
-        governed = mode.proposer == "auto" and mode.fixed_gamma is None  # what the governor may switch
+        governed = is_governed(mode.proposer, mode.fixed_gamma)  # what the governor may switch
         self.active += 1
         self.adaptive += governed
         try:

@@ -62,6 +62,12 @@ class Plan:
     min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
 
 
+def is_governed(mode: str, fixed_gamma: int | None) -> bool:
+    """Whether a request is adaptive `auto` (neither source nor γ fixed): the load governor may
+    switch it to plain decoding, and its draft rounds carry prompt lookup's hints."""
+    return mode == "auto" and fixed_gamma is None
+
+
 def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
     """The proposal distribution of deterministic drafts: q(d) = 1. The acceptance step then
     accepts d with probability p(d) and recovers from p with d removed: lossless."""
@@ -79,7 +85,8 @@ class RequestSpeculation:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
-        self.draft_hints = draft_hints and mode == "auto" and fixed_gamma is None  # a fixed γ is γ tokens
+        self.governed = is_governed(mode, fixed_gamma)
+        self.draft_hints = draft_hints and self.governed  # a fixed γ is γ tokens
         self.min_confidence = min_confidence if fixed_gamma is None else 0.0  # likewise
         # prompt lookup's α per match length over all sessions (fed here, read by new sessions)
         self.order_priors = order_priors if order_priors is not None else {}
@@ -95,7 +102,7 @@ class RequestSpeculation:
         """The next round's source and γ (at most `cap`: tokens left, context room, limits).
         allowed=False: the coordinator measured that speculation does not pay under the current
         load (governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
-        if not allowed and self.fixed_gamma is None and self.mode == "auto":
+        if not allowed and self.governed:
             return Plan(NONE, 0, [], "load")
         t0 = time.perf_counter()
         candidates: list[int] = []

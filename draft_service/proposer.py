@@ -70,10 +70,13 @@ class _Drafting:
             self.stopped = True
 
 
-def _greedy_confidence(logits: torch.Tensor) -> torch.Tensor:
-    """The draft's probability of its argmax token: logits [n, vocab] -> [n] (softmax at T = 1)."""
+def _greedy_confidence(logits: torch.Tensor, wanted: bool) -> list[float]:
+    """Per row of logits [n, vocab], the draft's probability of its argmax token (softmax at
+    T = 1); all 1.0 without computing anything when no call of the rows stops early."""
+    if not wanted:
+        return [1.0] * logits.shape[0]
     logits = logits.float()
-    return torch.exp(logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1))
+    return torch.exp(logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).tolist()
 
 
 class ModelProposer:
@@ -110,7 +113,7 @@ class ModelProposer:
             kept = next((i for i, hint in enumerate(hints) if argmax[i] != hint), len(hints))
             for i in range(kept):
                 drafting.add(hints[i], SparseDist.one_hot(hints[i]))
-            confidence = float(_greedy_confidence(logits[kept:kept + 1])[0]) if drafting.call.min_confidence else 1.0
+            confidence = _greedy_confidence(logits[kept:kept + 1], drafting.call.min_confidence > 0)[0]
             drafting.add(argmax[kept], SparseDist.one_hot(argmax[kept]), confidence)
         else:
             ids, probs = proposal_top_k(logits, params, self.proposal_top_k)  # [hints + 1, K]
@@ -146,9 +149,7 @@ class ModelProposer:
         for params, members in groups.items():
             stacked = torch.cat([logits[i] for i in members])  # [g, vocab]
             if params.greedy:
-                confidence = [1.0] * len(members)
-                if any(live[i].call.min_confidence for i in members):
-                    confidence = _greedy_confidence(stacked).tolist()
+                confidence = _greedy_confidence(stacked, any(live[i].call.min_confidence > 0 for i in members))
                 for i, token, sure in zip(members, stacked.argmax(dim=-1).tolist(), confidence):
                     live[i].add(token, SparseDist.one_hot(token), sure)
                 continue
