@@ -48,10 +48,13 @@ MODES = ("auto", DRAFT, NGRAM, NONE)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
-    """E[tokens committed by a round of γ proposals] = 1 + α + … + α^γ."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    """E[tokens committed by a round of γ proposals] = 1 + α + … + α^γ, summed term by term (as
+    `best_gamma` builds it): the closed form (1 − α^(γ+1)) / (1 − α) cancels badly as α → 1."""
+    tokens, power = 1.0, 1.0
+    for _ in range(gamma):
+        power *= alpha
+        tokens += power
+    return tokens
 
 
 def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
