@@ -22,7 +22,7 @@ from specdec.errors import (
     CacheMiss, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceFault, SpecdecError,
     Unavailable,
 )
-from specdec.fingerprint import PrefixHashes
+from specdec.fingerprint import PrefixHashes, extend_hash
 from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
@@ -89,6 +89,7 @@ class _RoundResult:
     started: float = 0.0     # time.perf_counter() when the round began
     hints_kept: int = 0      # leading drafts that are prompt-lookup hints the draft model kept
     batch_tokens: int = 0    # tokens verified across this coordinator's generations meanwhile
+    predrafted: bool = False  # the drafts came from a call made ahead (no Propose call this round)
 
 
 @dataclass
@@ -102,6 +103,14 @@ class Chunk:
     stats: GenerationStats | None = None
 
 
+@dataclass(frozen=True)
+class _Predrafted:
+    """Drafts a call made ahead proposed for the round that starts with `base` committed tokens."""
+
+    base: int
+    proposal: Proposal
+
+
 @dataclass
 class _Run:
     """State of one request while it runs."""
@@ -110,6 +119,7 @@ class _Run:
     stats: GenerationStats
     hashes: PrefixHashes = field(default_factory=PrefixHashes)  # fingerprints of record.token_ids' prefixes
     calls: dict[str, int] = field(default_factory=lambda: {"draft": 0, "target": 0})
+    predrafted: _Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)
@@ -383,7 +393,7 @@ class Engine:
         now = time.perf_counter()
         proposed, accepted = len(result.drafts), result.verdict.num_accepted
         stages = {"verify": result.verify_seconds, "store": now - store_started}
-        if result.plan.source == DRAFT:  # the Propose call, answered or failed
+        if result.plan.source == DRAFT and not result.predrafted:  # the Propose call, answered or failed
             stages["draft"] = result.draft_seconds
         stages["coordinator"] = max(0.0, now - result.started - sum(stages.values()))
         self.metrics.record_round(result.source if proposed else NONE, proposed, accepted, stages)
@@ -411,8 +421,12 @@ class Engine:
                       _fmt(spec.policy.ngram_alpha(spec.ngram.last_order)),
                       spec.policy.costs.relative_cost(DRAFT, 4, spec.load), spec.load)
         proposal, draft_s, propose_timed = Proposal([], []), 0.0, False
+        predrafted = self._take_predrafted(run, base, plan, cap)
         if plan.source == NGRAM:
             proposal = Proposal(list(plan.tokens), one_hot_dists(plan.tokens))
+        elif predrafted is not None:  # drafted while the last round was verified: no call now
+            proposal = predrafted
+            stats.draft_ahead_rounds += 1
         elif plan.source == DRAFT:
             lacking, misses = base - min(record.draft_held, base - 1), stats.cache_misses
             t0 = time.perf_counter()
@@ -433,6 +447,10 @@ class Engine:
         if (plan.source != DRAFT and spec.uses_draft and draft_up and allowed and run.calls["draft"] == 0
                 and base - record.draft_held > 2):  # (not while the governor holds plain decoding)
             prefetch = asyncio.ensure_future(self._prefetch_draft(run, params, draft_seed))
+        ahead = None  # the draft going on past `drafts` for the next round, while they are verified
+        if self.config.draft_ahead and source == DRAFT:
+            ahead = self._draft_ahead(run, spec, base, drafts, proposal, plan, cap, params, rng)
+            stats.draft_ahead_calls += ahead is not None
         lacking, misses = base - min(record.target_held, base - 1), stats.cache_misses
         t0 = time.perf_counter()
         own = len(drafts) + 1
@@ -441,23 +459,106 @@ class Engine:
         try:
             verdict = await self._verify(run, drafts, proposal, params, target_seed)
         except BaseException:
-            if prefetch is not None:
-                await _discard(prefetch)
+            for task in (prefetch, ahead):
+                if task is not None:
+                    await _discard(task)
             raise
         finally:
             self.verifying_tokens -= own
         verify_s = time.perf_counter() - t0
-        if prefetch is not None and await prefetch:
-            record.draft_held = base
-        stats.target_seconds += verify_s
-        stats.record_round(len(drafts), verdict.num_accepted, source, proposal.hints_kept)
-        if source == DRAFT:  # the draft fed d1..dγ-1; those the target accepted are committed
-            record.draft_held = base + min(verdict.num_accepted, len(drafts) - 1)
+        try:
+            if prefetch is not None and await prefetch:
+                record.draft_held = base
+            stats.target_seconds += verify_s
+            stats.record_round(len(drafts), verdict.num_accepted, source, proposal.hints_kept)
+            if source == DRAFT:  # the draft fed d1..dγ-1; those the target accepted are committed
+                record.draft_held = base + min(verdict.num_accepted, len(drafts) - 1)
+            if ahead is not None and await self._keep_ahead(run, ahead, base, drafts, verdict):
+                record.draft_held = base + len(drafts) + 1  # it fed dγ and the bonus (its guess) too
+        finally:
+            if ahead is not None and not ahead.done():  # cancelled meanwhile: no call left behind
+                ahead.cancel()
         record.target_held = base + verdict.num_accepted
         # a plain round sends the target its one new token; more is a prefill or a resend
         verified = lacking + len(drafts) if lacking == 1 and stats.cache_misses == misses else 0
         return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified, started,
-                            proposal.hints_kept, batch_tokens)
+                            proposal.hints_kept, batch_tokens, predrafted is not None)
+
+    # ---- drafting ahead (--draft-ahead) --------------------------------------------------------
+
+    @staticmethod
+    def _take_predrafted(run: _Run, base: int, plan: Plan, cap: int) -> Proposal | None:
+        """The drafts made ahead for this round, cut to what the plan asks (None: there are none,
+        they continue another history, or this round does not use the draft model). Each is
+        still a draw from the q reported with it, made on the committed history: lossless."""
+        predrafted, run.predrafted = run.predrafted, None
+        if predrafted is None or predrafted.base != base or plan.source != DRAFT:
+            return None
+        limit = min(cap, plan.gamma + len(plan.tokens))
+        drafts = predrafted.proposal
+        if limit < 1:
+            return None
+        return Proposal(drafts.draft_tokens[:limit], drafts.draft_probs[:limit], drafts.cached_len)
+
+    def _draft_ahead(self, run: _Run, spec: RequestSpeculation, base: int, drafts: list[int], proposal: Proposal,
+                     plan: Plan, cap: int, params: SamplingParams, rng: RequestRng) -> asyncio.Future | None:
+        """Ask the draft, while `drafts` are verified, to go on from them: its first token is its
+        guess of the target's bonus token, the rest are the next round's drafts if the target
+        accepts every draft and its bonus is that guess. Drawn with the next round's draft seed;
+        this round's γ + 1 steps (a fixed γ: exactly), under adaptive γ fewer when the measured
+        timings say they would outlast the verification (the next call would wait for them).
+        None when the next round could not use it (no room, the draft holds something else)."""
+        record, k = run.record, len(drafts)
+        steps = min(max(plan.gamma, 1) + 1, self.draft_info.max_speculative_tokens)
+        if spec.fixed_gamma is None:  # adaptive: no longer than the verification it hides behind
+            costs = spec.policy.costs
+            budget = costs.verify_seconds(k + 1, spec.load)
+            within = None if budget is None else costs.steps_within(DRAFT, budget)
+            if within is not None:
+                steps = min(steps, max(2, within))  # (a guess and one draft at least)
+        held = base + k - 1  # the draft holds the history and d1..dγ-1
+        if (steps < 2 or proposal.cached_len < held
+                or (cap < self.max_gamma and cap - k - 1 < 1)  # the next round proposes nothing
+                or base + k + steps > min(self.context_length, self.draft_info.max_context_length)):
+            return None
+        address = record.draft_address
+        try:
+            client = self.routes.pick("draft", record)
+        except Unavailable:
+            return None
+        if client.address != address:  # the session moved: that replica holds none of it
+            return None
+        prefix_hash = extend_hash(run.hashes.at(base), drafts[:k - 1])
+        seed = rng.peek_round_seeds()[0]
+        return asyncio.ensure_future(self._propose_ahead(
+            client, record.session_id, held, prefix_hash, drafts[-1], steps, params, seed, plan.min_confidence))
+
+    async def _propose_ahead(self, client, session_id: str, prefix_len: int, prefix_hash: int, token: int,
+                             steps: int, params: SamplingParams, seed: int, min_confidence: float
+                             ) -> Proposal | None:
+        """The call made ahead; None when it fails (the next round then calls the draft as usual)."""
+        try:
+            return await client.propose(session_id, prefix_len, prefix_hash, [token], steps, params, seed,
+                                        timeout_s=self.config.draft_timeout_s, min_confidence=min_confidence)
+        except SpecdecError as exc:
+            log.debug("session %s: the draft call made ahead failed (%s)", session_tag(session_id), exc)
+            return None
+
+    @staticmethod
+    async def _keep_ahead(run: _Run, ahead: asyncio.Future, base: int, drafts: list[int],
+                          verdict: Verdict) -> bool:
+        """After verification: keep the drafts made ahead for the next round when the target took
+        every draft and its bonus token is the draft's guess (True: the draft then holds the
+        history up to that bonus); else drop the call."""
+        if not (verdict.is_bonus and verdict.num_accepted == len(drafts)):
+            await _discard(ahead)  # its work on the draft is wasted; the next call rolls it back
+            return False
+        proposal = await ahead
+        if proposal is None or len(proposal.draft_tokens) < 2 or proposal.draft_tokens[0] != verdict.next_token:
+            return False
+        run.predrafted = _Predrafted(base + len(drafts) + 1, Proposal(
+            proposal.draft_tokens[1:], proposal.draft_probs[1:], proposal.cached_len))
+        return True
 
     async def _prefetch_draft(self, run: _Run, params: SamplingParams, seed: int) -> bool:
         """The first round of a request that does not use the draft still sends it the history

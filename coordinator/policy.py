@@ -189,6 +189,19 @@ class CostModel:
         verification is flat."""
         return self.relative_costs(source, max(gamma, 0), load)[-1]
 
+    def verify_seconds(self, tokens: int, load: int = 1) -> float | None:
+        """t_verify of a round of `tokens` when `load` alike sessions share the batches (None:
+        not measured yet)."""
+        verify = self.verify.coefficients()
+        return None if verify is None else verify[0] + verify[1] * max(1, load) * tokens
+
+    def steps_within(self, source: str, seconds: float) -> int | None:
+        """The most proposal steps of `source` that take at most `seconds` (None: not measured)."""
+        propose = self.propose[source].coefficients()
+        if propose is None or propose[1] <= 0:
+            return None
+        return max(0, int((seconds - propose[0]) / propose[1]))
+
     def relative_costs(self, source: str, max_gamma: int, load: int = 1) -> list[float]:
         """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""
         verify, propose = self.verify.coefficients(), self.propose[source].coefficients()

@@ -30,6 +30,8 @@ class GenerationStats:
     ngram_accepted_tokens: int = 0  # of accepted_tokens, proposed by prompt lookup
     draft_hint_tokens: int = 0      # of a draft round's tokens, prompt-lookup hints the draft kept
     draft_hint_accepted_tokens: int = 0  # of those, accepted by the target
+    draft_ahead_calls: int = 0      # Propose calls made ahead, while the round before was verified
+    draft_ahead_rounds: int = 0     # draft rounds whose drafts such a call proposed
     rounds_by_gamma: list[int] = field(default_factory=list)  # [γ] -> rounds that proposed γ
     gamma_per_round: list[int] = field(default_factory=list)  # this request only (not cumulated)
 

@@ -25,6 +25,7 @@ class RequestRng:
         self.seed = secrets.randbits(SEED_BITS) if seed is None else int(seed)
         self._random = random.Random(self.seed)
         self._issued: set[int] = set()
+        self._next: tuple[int, int] | None = None  # the next round's seeds, drawn early by peek
 
     def next_seed(self) -> int:
         """The next raw draw of the request's seed stream (may repeat, in principle)."""
@@ -41,8 +42,16 @@ class RequestRng:
     def round_seeds(self) -> tuple[int, int]:
         """(draft_seed, target_seed) of the next round: distinct from each other and from
         every seed of the request's earlier rounds."""
-        draft_seed = self._fresh_seed()
-        return draft_seed, self._fresh_seed()
+        seeds, self._next = self.peek_round_seeds(), None
+        return seeds
+
+    def peek_round_seeds(self) -> tuple[int, int]:
+        """The seeds the next `round_seeds()` will return (a draft call made ahead of its round
+        draws with that round's seed), drawn now."""
+        if self._next is None:
+            draft_seed = self._fresh_seed()
+            self._next = (draft_seed, self._fresh_seed())
+        return self._next
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

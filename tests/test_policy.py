@@ -208,6 +208,21 @@ def test_cost_model_reduces_to_the_leviathan_form_when_verify_is_flat():
     assert costs.relative_cost("draft", 0) == 1.0
 
 
+def test_cost_model_says_how_many_draft_steps_fit_in_a_verification():
+    """What sizes a draft call made ahead (--draft-ahead): t_verify(n) and the draft steps
+    within a time, from the fits; None before anything was measured."""
+    costs = CostModel(decay=0.9)
+    assert costs.verify_seconds(5) is None and costs.steps_within("draft", 0.1) is None
+    for tokens in (2, 5, 3, 9):
+        costs.observe_verify(tokens, 0.05 + 0.01 * tokens)
+    for gamma in (1, 4, 2):
+        costs.observe_propose("draft", gamma, 0.002 + 0.02 * gamma)
+    assert costs.verify_seconds(5) == pytest.approx(0.1)
+    assert costs.verify_seconds(5, load=2) == pytest.approx(0.15)  # batched with an alike session
+    assert costs.steps_within("draft", 0.1) == 4  # 0.002 + 0.02·4 = 0.082 ≤ 0.1 < 0.102
+    assert costs.steps_within("draft", 0.001) == 0
+
+
 def test_shared_cost_model_warms_new_sessions():
     costs = CostModel()
     first = SessionPolicy(PolicyConfig(max_gamma=16), costs=costs)

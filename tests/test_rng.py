@@ -70,3 +70,14 @@ def test_services_receive_distinct_seeds_every_round(small_vocab_models):
         assert len(set(seeds)) == len(seeds), "a seed was reused across rounds"
     assert seen[0] == repeat  # a seeded request sends the same seeds again
     assert seen[0][0] != seen[1][0]  # and another seed sends others
+
+
+def test_peeked_seeds_are_the_next_rounds_and_keep_the_stream():
+    """A draft call made ahead draws with the next round's seed (peek_round_seeds): peeking
+    does not change what a request's rounds get."""
+    rng, plain = RequestRng(7), RequestRng(7)
+    first = rng.round_seeds()
+    peeked = rng.peek_round_seeds()
+    assert rng.peek_round_seeds() == peeked  # peeking again draws nothing more
+    assert rng.round_seeds() == peeked != first
+    assert [first, peeked, rng.round_seeds()] == [plain.round_seeds() for _ in range(3)]

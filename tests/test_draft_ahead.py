@@ -1,0 +1,150 @@
+"""Drafting ahead (the coordinator's --draft-ahead): while a round is verified, the draft goes
+on past that round's drafts, its first token a guess of the target's bonus token; when the
+target accepts every draft and its bonus is the guess, the next round verifies the rest with
+no draft call.
+
+Greedy, float64: output equals the target's alone, with the target as its own draft (every
+guess right: most rounds are drafted ahead, and the draft is called about once per two
+rounds) and with an unrelated draft (guesses mostly wrong: the calls made ahead are dropped
+and the draft's cache rolls back on the next call), at adaptive and fixed γ; a fixed γ is
+still exactly γ. Sampled: the third token, which a round drafted ahead proposes, follows the
+target's distribution (chi-square against the exact one computed from the model).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from specdec.runtime.loader import load_model
+from specdec.sampling import target_probs
+from specdec.types import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from tests.cluster import Cluster
+from tests.spies import RequestRecorder
+from tests.test_proposers import IDS_PROMPTS, proposer, target_only
+from tests.test_sampling import chi2_pvalue
+
+AHEAD = {"draft_ahead": True, "draft_hints": False, "draft_min_confidence": 0.0}  # the 12-word draft is never sure
+
+
+@pytest.mark.parametrize("gamma", [None, 3], ids=["adaptive", "fixed3"])
+def test_greedy_with_the_target_as_draft_skips_draft_calls(small_vocab_models, gamma):
+    target = small_vocab_models["target"]
+    recorder = RequestRecorder("Propose")
+    with Cluster(target, target, coordinator=AHEAD, interceptors=[recorder]) as cluster:
+        for ids in IDS_PROMPTS:
+            expected = target_only(target, ids, 30)
+            recorder.calls.clear()
+            fields = {} if gamma is None else {"num_speculative_tokens": gamma}
+            response = cluster.complete(token_ids=ids, max_new_tokens=30, ignore_eos=True,
+                                        proposer=proposer("draft"), **fields)
+            assert list(response.token_ids) == expected
+            stats = response.stats
+            assert stats.accepted_tokens == stats.draft_tokens  # the same model: every draft taken
+            assert stats.draft_ahead_rounds >= stats.draft_rounds // 2 > 0
+            # every draft round calls Propose once, or drafted ahead (then its call was made the
+            # round before); the last round's call made ahead is never used
+            assert len(recorder.calls) == stats.draft_rounds - stats.draft_ahead_rounds + stats.draft_ahead_calls
+            if gamma is not None:
+                assert set(stats.gamma_per_round[:-1]) == {gamma}  # the last may be cut by max_new_tokens
+
+
+@pytest.mark.parametrize("gamma", [None, 4], ids=["adaptive", "fixed4"])
+def test_greedy_with_an_unrelated_draft_stays_exact(small_vocab_models, gamma):
+    target, draft = small_vocab_models["target"], small_vocab_models["draft"]
+    with Cluster(draft, target, coordinator=AHEAD) as cluster:
+        for ids in IDS_PROMPTS + [[5, 5, 1, 8]]:
+            fields = {} if gamma is None else {"num_speculative_tokens": gamma}
+            response = cluster.complete(token_ids=ids, max_new_tokens=40, ignore_eos=True,
+                                        proposer=proposer("draft"), **fields)
+            assert list(response.token_ids) == target_only(target, ids, 40)
+            stats = response.stats
+            assert stats.cache_misses == 0  # the dropped calls made ahead left the draft consistent
+            assert stats.draft_ahead_calls > stats.draft_ahead_rounds  # some guesses were wrong
+
+
+def next_token_table(target_dir: str, params: SamplingParams, prompt: list[int]) -> np.ndarray:
+    """[vocab, vocab, vocab]: P(token 3 | token 1 = a, token 2 = b) under the warp."""
+    model = load_model(target_dir, "float64").model
+    vocab = model.config.vocab_size
+    pairs = list(itertools.product(range(vocab), repeat=2))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + [a, b] for a, b in pairs])).logits[:, -1]  # [vocab², vocab]
+        probs = target_probs(logits, params).double()
+    return probs.numpy().reshape(vocab, vocab, vocab)
+
+
+@pytest.fixture(scope="module")
+def near_draft(small_vocab_models, tmp_path_factory) -> str:
+    """The target with its output layer scaled by 1.2 (and its tokenizer): a draft a little
+    sharper than the target, agreeing with it often, so guesses of the bonus are often right."""
+    from transformers import AutoTokenizer
+
+    target = small_vocab_models["target"]
+    model = load_model(target, "float32").model
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1.2)
+    path = tmp_path_factory.mktemp("near-draft")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(target).save_pretrained(path)
+    return str(path)
+
+
+def test_sampled_tokens_drafted_ahead_follow_the_target(small_vocab_models, near_draft):
+    """γ = 1: round 1 commits tokens 1 and 2 (its bonus); when the target took the draft and the
+    draft's guess of that bonus was right, round 2's draft (token 3) was drafted ahead. Given
+    tokens 1 and 2, token 3 must follow the target's P(· | tokens 1, 2), whether its round was
+    drafted ahead or not (whether it was depends on tokens 1 and 2 and the round-1 draws only).
+    Checked on the requests drafted ahead: their expected counts are the sum of those
+    conditionals (chi-square; conservative for a sum of different multinomials)."""
+    target = small_vocab_models["target"]
+    params, prompt, samples = SamplingParams(temperature=0.8), [3, 7, 5], 1500
+    table = next_token_table(target, params, prompt)
+    counts, expected = np.zeros(table.shape[0]), np.zeros(table.shape[0])
+    with Cluster(near_draft, target, coordinator=AHEAD) as cluster:
+        for seed in range(samples):
+            response = cluster.complete(token_ids=prompt, max_new_tokens=4, num_speculative_tokens=1,
+                                        proposer=proposer("draft"), temperature=params.temperature,
+                                        seed=seed, ignore_eos=True)
+            first, second, third = response.token_ids[:3]
+            if response.stats.draft_ahead_rounds:
+                counts[third] += 1
+                expected += table[first, second]
+    assert counts.sum() > samples // 10  # guesses were right often enough to count
+    support = expected > 1e-9
+    assert counts[~support].sum() == 0
+    assert chi2_pvalue(counts[support], expected[support]) > 1e-3, (counts, expected)
+
+
+def test_a_round_drafted_ahead_sends_the_q_of_its_own_position(small_vocab_models, near_draft):
+    """The Verify of a round drafted ahead carries, for its draft, the draft's q at the history
+    it continues (tokens 1 and 2 committed): the very q a Propose on that history reports."""
+    target = small_vocab_models["target"]
+    params, prompt = SamplingParams(temperature=0.8), [3, 7, 5]
+    recorder = RequestRecorder("Verify")
+    checked = 0
+    with Cluster(near_draft, target, coordinator=AHEAD, interceptors=[recorder]) as cluster, \
+            grpc.insecure_channel(f"127.0.0.1:{cluster.draft_port}") as channel:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        for seed in range(40):
+            recorder.calls.clear()
+            response = cluster.complete(token_ids=prompt, max_new_tokens=4, num_speculative_tokens=1,
+                                        proposer=proposer("draft"), temperature=params.temperature,
+                                        seed=seed, ignore_eos=True)
+            if not response.stats.draft_ahead_rounds:
+                continue
+            second_round = recorder.calls[1][1]
+            history = prompt + list(response.token_ids[:2])
+            fresh = draft.Propose(draft_pb2.ProposeRequest(
+                session_id=f"probe{seed}", new_tokens=history, num_speculative_tokens=1,
+                sampling=common_pb2.SamplingParams(temperature=params.temperature), seed=seed))
+            assert len(second_round.draft_tokens) == 1  # γ = 1, drafted ahead
+            sent, reported = second_round.draft_probs[0], fresh.draft_probs[0]
+            assert dict(zip(sent.token_ids, sent.probs)) == pytest.approx(dict(zip(reported.token_ids, reported.probs)))
+            checked += 1
+    assert checked >= 3
