@@ -25,6 +25,7 @@ from specdec.sampling import target_probs
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.cluster import Cluster
+from tests.procs import Coordinator, ServiceProcess
 from tests.spies import RequestRecorder
 from tests.test_proposers import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
@@ -148,3 +149,29 @@ def test_a_round_drafted_ahead_sends_the_q_of_its_own_position(small_vocab_model
             assert dict(zip(sent.token_ids, sent.probs)) == pytest.approx(dict(zip(reported.token_ids, reported.probs)))
             checked += 1
     assert checked >= 3
+
+
+def test_a_draft_killed_mid_stream_with_calls_made_ahead(models):
+    """The draft process dies while calls are made ahead (the target as its own draft: nearly
+    every round has one in flight): the rounds fall back to the target alone and the output is
+    the same as without the fault."""
+    target = models["llama"]["target"]
+    draft = ServiceProcess("draft", target).start()
+    verifier = ServiceProcess("target", target).start()
+    coordinator = Coordinator(draft.address, verifier.address, draft_retry_s=0.5, **AHEAD)
+    request = dict(prompt="def fibonacci(n):", max_new_tokens=200, num_speculative_tokens=3, ignore_eos=True)
+    try:
+        first = coordinator.complete(**request)
+        assert first.stats.draft_ahead_rounds > 0
+        tokens, last = [], None
+        for i, chunk in enumerate(coordinator.stream(**request)):
+            tokens.extend(chunk.token_ids)
+            last = chunk
+            if i == 1:
+                draft.kill()
+        assert tokens == list(first.token_ids)
+        assert last.stats.fallback_rounds > 0
+    finally:
+        coordinator.stop()
+        draft.stop()
+        verifier.stop()
