@@ -192,8 +192,7 @@ class CostModel:
     def verify_seconds(self, tokens: int, load: int = 1) -> float | None:
         """t_verify of a round of `tokens` when `load` alike sessions share the batches (None:
         not measured yet)."""
-        verify = self.verify.coefficients()
-        return None if verify is None else verify[0] + verify[1] * max(1, load) * tokens
+        return self.verify.predict(max(1, load) * tokens)
 
     def steps_within(self, source: str, seconds: float) -> int | None:
         """The most proposal steps of `source` that take at most `seconds` (None: not measured)."""
