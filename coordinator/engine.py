@@ -28,6 +28,7 @@ from specdec.metrics import Metrics
 from specdec.rng import RequestRng
 from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
+from coordinator.ahead import ON, AheadGovernor
 from coordinator.chat import render_messages
 from coordinator.clients import release_quietly
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
@@ -90,6 +91,8 @@ class _RoundResult:
     hints_kept: int = 0      # leading drafts that are prompt-lookup hints the draft model kept
     batch_tokens: int = 0    # tokens verified across this coordinator's generations meanwhile
     predrafted: bool = False  # the drafts came from a call made ahead (no Propose call this round)
+    ahead: str | None = None  # a draft round's --draft-ahead mode (on | off; None: not the governor's)
+    seconds: float = 0.0     # the round's own time: plan, propose, verify (the store write overlaps)
 
 
 @dataclass
@@ -150,6 +153,7 @@ class Engine:
         self.adaptive = 0  # of them, adaptive `auto` ones (what the load governor can switch)
         self.verifying_tokens = 0  # tokens of the Verify calls in flight (what the target batches)
         self.governor = LoadGovernor() if config.load_governor else None
+        self.ahead = AheadGovernor(config.draft_ahead)  # whether draft rounds draft ahead
         self.metrics = metrics or Metrics("coordinator")
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
@@ -326,6 +330,9 @@ class Engine:
                     record.target_held = min(record.target_held, len(record.token_ids))
                     run.stats.generated_tokens = len(generated)
                     self._observe_policy(spec, result)  # before the next round is planned
+                    if result.ahead is not None:
+                        self.ahead.record(record.session_id, self.active, result.ahead,
+                                          result.verdict.num_accepted + 1, result.seconds)
                     store_started = time.perf_counter()
                     committed = dataclasses.replace(record)  # what the store must hold before the chunk goes
                     if (finish is None and self.overlap_store
@@ -353,6 +360,7 @@ class Engine:
                     await self.store.save(record, lease)
                 yield chunk
         finally:
+            self.ahead.forget(record.session_id)
             if ahead is not None:
                 await _discard(ahead)
 
@@ -448,7 +456,8 @@ class Engine:
                 and base - record.draft_held > 2):  # (not while the governor holds plain decoding)
             prefetch = asyncio.ensure_future(self._prefetch_draft(run, params, draft_seed))
         ahead = None  # the draft going on past `drafts` for the next round, while they are verified
-        if self.config.draft_ahead and source == DRAFT:
+        ahead_mode = self._ahead_mode(spec) if source == DRAFT else None
+        if ahead_mode == ON:
             ahead = self._draft_ahead(run, spec, base, drafts, proposal, plan, cap, params, rng)
             stats.draft_ahead_calls += ahead is not None
         lacking, misses = base - min(record.target_held, base - 1), stats.cache_misses
@@ -482,9 +491,19 @@ class Engine:
         # a plain round sends the target its one new token; more is a prefill or a resend
         verified = lacking + len(drafts) if lacking == 1 and stats.cache_misses == misses else 0
         return _RoundResult(plan, verdict, drafts, source, draft_s, verify_s, propose_timed, verified, started,
-                            proposal.hints_kept, batch_tokens, predrafted is not None)
+                            proposal.hints_kept, batch_tokens, predrafted is not None, ahead_mode,
+                            time.perf_counter() - started)
 
     # ---- drafting ahead (--draft-ahead) --------------------------------------------------------
+
+    def _ahead_mode(self, spec: RequestSpeculation) -> str | None:
+        """Whether a draft round drafts ahead (on | off): as --draft-ahead on / off says, or as the
+        measurement of `auto` says for requests whose rounds follow measured timings anyway
+        (adaptive γ, costs measured). Under `auto` a request that fixes γ, or a coordinator that
+        pins --draft-cost-ratio, keeps reproducible rounds: None (off, and not measured)."""
+        if self.ahead.setting == "auto" and (spec.fixed_gamma is not None or self.config.draft_cost_ratio > 0):
+            return None
+        return self.ahead.mode(self.active)
 
     @staticmethod
     def _take_predrafted(run: _Run, base: int, plan: Plan, cap: int) -> Proposal | None:

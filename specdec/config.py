@@ -127,12 +127,15 @@ class CoordinatorConfig(ServerTlsConfig):
                                       "gave less than this probability, so γ is a ceiling it fills "
                                       "only where it is sure (0 = always exactly γ; a fixed γ is "
                                       "always exactly γ)")
-    draft_ahead: bool = opt(False, "while a draft-model round is verified, ask the draft to go on past its "
-                            "drafts (guessing the target's bonus token) for the next round; when the "
-                            "target accepts them all and its bonus is the guess, the next round needs no "
-                            "draft call. Pays where the draft and the target run on separate hardware "
-                            "(the draft works while the target verifies); on one shared CPU the two "
-                            "compete for the cores")
+    draft_ahead: str = opt("auto", "while a draft-model round is verified, ask the draft to go on past its "
+                           "drafts (guessing the target's bonus token) for the next round; when the target "
+                           "accepts them all and its bonus is the guess, the next round needs no draft "
+                           "call. It pays where the draft and the target run on separate hardware (the "
+                           "draft works while the target verifies) and loses where they share the same "
+                           "cores: auto measures which (short alternating epochs with and without, per "
+                           "load band, the winner held for 10 minutes and 10x the trial's rounds, and longer), on "
+                           "and off fix it",
+                           ("auto", "on", "off"))
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.ahead import AheadGovernor
 from specdec.runtime.loader import load_model
 from specdec.sampling import target_probs
 from specdec.types import SamplingParams
@@ -30,7 +31,7 @@ from tests.spies import RequestRecorder
 from tests.test_proposers import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
 
-AHEAD = {"draft_ahead": True, "draft_hints": False, "draft_min_confidence": 0.0}  # the 12-word draft is never sure
+AHEAD = {"draft_ahead": "on", "draft_hints": False, "draft_min_confidence": 0.0}  # the 12-word draft is never sure
 
 
 @pytest.mark.parametrize("gamma", [None, 3], ids=["adaptive", "fixed3"])
@@ -67,6 +68,41 @@ def test_greedy_with_an_unrelated_draft_stays_exact(small_vocab_models, gamma):
             stats = response.stats
             assert stats.cache_misses == 0  # the dropped calls made ahead left the draft consistent
             assert stats.draft_ahead_calls > stats.draft_ahead_rounds  # some guesses were wrong
+
+
+def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
+    """--draft-ahead auto: the governor's epochs switch calls made ahead on and off within one
+    request (here every few rounds, for good: the verdict never comes); output is unchanged."""
+    target = small_vocab_models["target"]
+    coordinator = {**AHEAD, "draft_ahead": "auto", "max_num_speculative_tokens": 4}  # many rounds
+    with Cluster(target, target, coordinator=coordinator) as cluster:
+        cluster.coordinator.engine.ahead = AheadGovernor(epoch_rounds=2, min_pairs=10**6, max_pairs=10**6)
+        calls = rounds = 0
+        for ids in IDS_PROMPTS:
+            response = cluster.complete(token_ids=ids, max_new_tokens=40, ignore_eos=True,
+                                        proposer=proposer("draft"))
+            assert list(response.token_ids) == target_only(target, ids, 40)
+            stats = response.stats
+            assert stats.draft_ahead_rounds > 0
+            calls, rounds = calls + stats.draft_ahead_calls, rounds + stats.draft_rounds
+        # half the epochs make calls ahead (always on would make one in nearly every round)
+        assert 0.25 * rounds < calls < 0.75 * rounds
+
+
+@pytest.mark.parametrize("setting", [{"num_speculative_tokens": 3}, {"draft_cost_ratio": 0.2}],
+                         ids=["fixed-gamma", "pinned-cost-ratio"])
+def test_auto_leaves_reproducible_rounds_alone(small_vocab_models, setting):
+    """Under auto, a request that fixes γ and a coordinator that pins c keep their rounds (and so
+    a seeded request's draws) reproducible: no call is made ahead, nothing is measured."""
+    target = small_vocab_models["target"]
+    pinned = {"draft_cost_ratio": setting["draft_cost_ratio"]} if "draft_cost_ratio" in setting else {}
+    fields = {"num_speculative_tokens": setting["num_speculative_tokens"]} if not pinned else {}
+    with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": "auto", **pinned}) as cluster:
+        cluster.coordinator.engine.ahead = AheadGovernor(epoch_rounds=1, min_pairs=10**6, max_pairs=10**6)
+        response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
+                                    proposer=proposer("draft"), **fields)
+        assert response.stats.draft_rounds > 2 and response.stats.draft_ahead_calls == 0
+        assert not cluster.coordinator.engine.ahead.bands
 
 
 def next_token_table(target_dir: str, params: SamplingParams, prompt: list[int]) -> np.ndarray:
