@@ -4,7 +4,7 @@ Usage:
   python bench/speedup.py                                  # the fetched real pair (specdec models fetch)
   python bench/speedup.py --draft-model D --target-model T [--dtype bfloat16]
   python bench/speedup.py --tiny --quick                   # a tiny random pair: a smoke run
-  python bench/speedup.py --threads 1 --draft-ahead        # draft and target on a core each
+  python bench/speedup.py --threads 1 --draft-ahead on     # draft and target on a core each
 
 Ten chat prompts in five kinds (bench/prompts.py), greedy, --max-new-tokens (default 128)
 each, EOS ignored so every method generates the same number of tokens. Side by side in one
@@ -20,11 +20,15 @@ Rates are decode rates: tokens after the first streamed chunk over the time afte
 start-up and prefill cancel out. Per prompt: tokens/s, speed-up over target-only, ratio to the
 best HF method, the draft's α and c and the Leviathan bound for them. A table is printed;
 speedup.json, speedup.txt and speedup.png go to bench/results/. --quick runs one prompt per
-kind and fewer methods. --draft-ahead runs the coordinator with --draft-ahead (the draft drafts
-the next round while the target verifies); with --threads 1 the draft and the target each have
-a core of their own, as on separate machines, while each HF method runs on one core. With it,
-a draft call made ahead is off the critical path, so the c reported (the draft's time per
-drafted token on the critical path) falls and its Leviathan bound no longer describes the run.
+kind and fewer methods. --draft-ahead sets the coordinator's --draft-ahead: auto (its default:
+it measures whether the draft drafting the next round while the target verifies pays), on or
+off; with --threads 1 the draft and the target each have a core of their own, as on separate
+machines, while each HF method runs on one core. With calls made ahead, a draft call is off
+the critical path, so the c reported (the draft's time per drafted token on the critical path)
+falls and its Leviathan bound no longer describes the run. Before the suite, --settle N
+adaptive requests of --max-new-tokens run on the first prompt (default 3), so auto's
+measurements (the cost model, the draft-ahead verdict) describe a coordinator that has run a
+while, as a serving one has.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def model_paths(args) -> tuple[str, str]:
 
 def start_services(draft: str, target: str, args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "SPECDEC_COORDINATOR_DRAFT_AHEAD": "true" if args.draft_ahead else "false"}
+           "SPECDEC_COORDINATOR_DRAFT_AHEAD": args.draft_ahead}
     command = [sys.executable, "-m", "specdec.cli", "up", "--port", str(args.port), "--dtype", args.dtype,
                "--device", args.device, "--draft-model", draft, "--target-model", target,
                "--draft-quantize", args.draft_quantize]
@@ -152,8 +156,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="tries per method and prompt (the median counts)")
     parser.add_argument("--prompts", default="", help="comma-separated prompt names (default: the suite)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
-    parser.add_argument("--draft-ahead", action="store_true",
+    parser.add_argument("--draft-ahead", default="auto", choices=("auto", "on", "off"),
                         help="the coordinator's --draft-ahead (the draft works while the target verifies)")
+    parser.add_argument("--settle", type=int, default=3,
+                        help="adaptive requests run before the suite, so auto's measurements have settled")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
 
@@ -185,6 +191,8 @@ def main() -> int:
             warm = chat_ids(hf_target.tokenizer, prompts[0])
             for fields in ours.values():  # warm-up: caches, allocators, the shared cost model
                 run_specdec(stub, warm, 16, fields)
+            for _ in range(args.settle):  # a coordinator that has run a while: its verdicts are in
+                run_specdec(stub, warm, args.max_new_tokens, ours[report.AUTO])
             for run in peers.values():
                 run(hf_target.model, warm, 16)
             for prompt in prompts:
@@ -213,6 +221,7 @@ def main() -> int:
     document = {"draft_model": draft_path, "target_model": target_path, "dtype": args.dtype,
                 "draft_quantize": args.draft_quantize,
                 "device": args.device, "threads": args.threads, "draft_ahead": args.draft_ahead,
+                "settle": args.settle,
                 "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats,
                 "tiny": args.tiny, "quick": args.quick, "methods": method_names, "overall": totals,
