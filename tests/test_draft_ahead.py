@@ -89,14 +89,12 @@ def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
         assert 0.25 * rounds < calls < 0.75 * rounds
 
 
-@pytest.mark.parametrize("setting", [{"num_speculative_tokens": 3}, {"draft_cost_ratio": 0.2}],
+@pytest.mark.parametrize("pinned, fields", [({}, {"num_speculative_tokens": 3}), ({"draft_cost_ratio": 0.2}, {})],
                          ids=["fixed-gamma", "pinned-cost-ratio"])
-def test_auto_leaves_reproducible_rounds_alone(small_vocab_models, setting):
+def test_auto_leaves_reproducible_rounds_alone(small_vocab_models, pinned, fields):
     """Under auto, a request that fixes γ and a coordinator that pins c keep their rounds (and so
     a seeded request's draws) reproducible: no call is made ahead, nothing is measured."""
     target = small_vocab_models["target"]
-    pinned = {"draft_cost_ratio": setting["draft_cost_ratio"]} if "draft_cost_ratio" in setting else {}
-    fields = {"num_speculative_tokens": setting["num_speculative_tokens"]} if not pinned else {}
     with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": "auto", **pinned}) as cluster:
         cluster.coordinator.engine.ahead = AheadGovernor(epoch_rounds=1, min_pairs=10**6, max_pairs=10**6)
         response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
