@@ -29,6 +29,11 @@ copied passage is right far more often than a 1-token match in new text. So its 
 match length n as well, and a round uses the estimate for the n it matched once that has
 `order_min_trials` trials (until then the source's overall α).
 
+The draft's acceptance belongs to the pair more than to the session, and a session's own
+estimate, forgetting per round, dips after a few rejections in a row; so once the
+coordinator-wide draft α has warmed up, a session's draft α keeps `draft_prior_weight` trials
+of it (prompt lookup's stays the session's own: a rewrite and new text differ by far).
+
 Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
 `default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
 `probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
@@ -233,6 +238,9 @@ class PolicyConfig:
     max_timed_tokens: int = 0          # verify timings over more tokens (a prefill, a resend)
     #                                    are not round costs and are skipped; 0 = max_gamma + 1
     order_min_trials: float = 3.0      # trials before prompt lookup's α for a match length is used
+    draft_prior_weight: float = 20.0  # trials' worth of the coordinator-wide draft α every session's
+    #                                    draft α keeps (the pair's acceptance: a few rejections in a
+    #                                    row must not price the draft out for a stretch of rounds)
 
 
 @dataclass(frozen=True)
@@ -261,6 +269,7 @@ class SessionPolicy:
 
     config: PolicyConfig = field(default_factory=PolicyConfig)
     costs: CostModel | None = None
+    draft_prior: AcceptanceEstimate | None = None  # the draft's α over all sessions (shared)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -271,8 +280,20 @@ class SessionPolicy:
         self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
 
     def alpha(self, source: str) -> float | None:
-        """The current acceptance estimate of a source (None before its first observed round)."""
-        return self.sources[source].acceptance.alpha
+        """The current acceptance estimate of a source (None before its first observed round).
+        The draft's keeps `draft_prior_weight` trials of the coordinator-wide α once that has
+        warmed up: the draft's acceptance belongs to the pair more than to the session, and a
+        session's own estimate, forgetting at alpha_decay per round, dips after a few rejections in
+        a row (then prompt lookup at α 0.1–0.2 priced it out for rounds on end, on the suite's
+        chat and explanation prompts). Prompt lookup's α is the session's own: it differs by far
+        between a rewrite and new text."""
+        own = self.sources[source].acceptance
+        prior = self.draft_prior if source == DRAFT else None
+        if (prior is None or prior.alpha is None or prior.rounds < self.config.warmup_rounds
+                or own.trials <= 0):
+            return own.alpha
+        weight = self.config.draft_prior_weight
+        return (own.successes + weight * prior.alpha) / (own.trials + weight)
 
     def ngram_alpha(self, order: int = 0) -> float | None:
         """Prompt lookup's α for a match of `order` tokens: that length's own estimate once it

@@ -176,7 +176,7 @@ class Speculation:
         the coordinator-wide α of the sources that have one)."""
         policy = self._policies.get(session_id)
         if policy is None:
-            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs)
+            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs, self.priors[DRAFT])
             for source, prior in self.priors.items():
                 if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                     policy.seed(source, prior.alpha, PRIOR_WEIGHT)

@@ -135,6 +135,37 @@ def test_draft_preferred_when_the_ngram_rarely_matches_the_target():
     assert sum(c.source == "draft" for c in choices[-100:]) >= 90
 
 
+def test_the_coordinator_wide_draft_alpha_keeps_a_few_rejections_from_pricing_the_draft_out():
+    """A session's own draft α forgets fast: eight rejected rounds after six good ones pull it to
+    ~0.6, where prompt lookup at α ~0.2 looked better. The pair's α over all sessions (0.95 here)
+    stays in the estimate with draft_prior_weight trials' worth, and the draft keeps its rounds."""
+    from coordinator.speculation import FixedCosts
+
+    prior = AcceptanceEstimate(0.98)
+    for i in range(30):
+        prior.observe(4, 4 if i % 5 else 2)
+
+    def after_a_bad_stretch(draft_prior):
+        policy = SessionPolicy(PolicyConfig(max_gamma=8), FixedCosts(0.3), draft_prior)
+        for _ in range(6):
+            policy.observe("draft", 4, 4)
+        for _ in range(8):
+            policy.observe("draft", 2, 0)
+        for accepted in (0, 1, 0, 0):
+            policy.observe("ngram", 3, accepted)
+        return policy
+
+    alone, shrunk = after_a_bad_stretch(None), after_a_bad_stretch(prior)
+    assert alone.alpha("ngram") == shrunk.alpha("ngram") < 0.25  # prompt lookup's stays its own
+    assert alone.alpha("draft") < 0.65 < shrunk.alpha("draft") < prior.alpha
+    assert alone.choose(ngram_available=4).source == "ngram"
+    assert shrunk.choose(ngram_available=4).source == "draft"
+    # a prior still warming up is not used
+    young = AcceptanceEstimate(0.98)
+    young.observe(4, 4)
+    assert after_a_bad_stretch(young).alpha("draft") == alone.alpha("draft")
+
+
 def test_overrides_are_respected():
     policy = SessionPolicy(PolicyConfig(max_gamma=8))
     simulate(policy, 100, {"draft": 0.0}, {"draft": 0.05})          # the draft looks useless
