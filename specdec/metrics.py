@@ -90,6 +90,7 @@ class Metrics:
                                     registry=r)
         self.queue_depth = Gauge("specdec_queue_depth", "calls waiting for a batch slot",
                                  registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see _child
 
     def record_round(self, proposer: str, gamma: int, accepted: int,
                      stage_seconds: Mapping[str, float] | None = None) -> None:
@@ -98,21 +99,31 @@ class Metrics:
         _check(proposer, PROPOSERS, "proposer")
         if not 0 <= accepted <= gamma:
             raise ValueError(f"need 0 <= accepted <= gamma, got {accepted}, {gamma}")
+        child = self._child
         if gamma > 0:
-            self.num_drafts.labels(proposer).inc()
-            self.num_draft_tokens.labels(proposer).inc(gamma)
-            self.num_accepted_tokens.labels(proposer).inc(accepted)
+            child(self.num_drafts, proposer).inc()
+            child(self.num_draft_tokens, proposer).inc(gamma)
+            child(self.num_accepted_tokens, proposer).inc(accepted)
             for position in range(accepted):
-                self.num_accepted_tokens_per_pos.labels(proposer, str(position)).inc()
-        self.num_speculative_tokens.labels(proposer).observe(gamma)
-        self.tokens_per_round.labels(proposer).observe(accepted + 1)
+                child(self.num_accepted_tokens_per_pos, proposer, str(position)).inc()
+        child(self.num_speculative_tokens, proposer).observe(gamma)
+        child(self.tokens_per_round, proposer).observe(accepted + 1)
         for stage, seconds in (stage_seconds or {}).items():
             self.observe_stage(stage, seconds)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         """Time spent in one stage (a draft or target service times its own)."""
         _check(stage, STAGES, "stage")
-        self.round_latency.labels(stage).observe(seconds)
+        self._child(self.round_latency, stage).observe(seconds)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), looked up once: the coordinator records every round, and
+        prometheus_client's labels() validates and locks on each call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def observe_batch(self, size: int) -> None:
         self.batch_size.observe(size)
