@@ -28,8 +28,10 @@ engine's own Python, streaming the chunk to the client). Two bare unary gRPC cal
 (GetModelInfo on draft and target) are timed as the floor. A second table gives each process's
 CPU time per round (sampled every 20 ms in every process: coordinator, client, draft, target),
 which says where the time goes when the processes share a few cores: there a round's wall time
-is close to the sum of the CPU its processes spend, wherever it is spent. Prints both tables;
-writes JSON and a PNG under bench/results/.
+is close to the sum of the CPU its processes spend, wherever it is spent. A third table (--floor
+on, the default) is the transport floor, bench/transport_floor.py: the same round's messages over
+the same call streams with handlers that answer at once, the part of the overhead that is gRPC's
+and the event loops' alone. Prints the tables; writes JSON and a PNG under bench/results/.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from draft_service import server as draft_server  # noqa: E402
+from bench import transport_floor  # noqa: E402
 from specdec import tiny  # noqa: E402
 from specdec.cli import wait_healthy  # noqa: E402
 from specdec.config import DraftConfig, TargetConfig  # noqa: E402
@@ -220,6 +223,9 @@ def main() -> int:
     parser.add_argument("--transport", default="stream,unary",
                         help="the coordinator's --rpc-transport: stream, unary, or stream,unary (both, "
                              "one coordinator after the other)")
+    parser.add_argument("--floor", choices=("on", "off"), default="on",
+                        help="also measure the transport floor (bench/transport_floor.py: the round's "
+                             "messages with no work behind them)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--serve", choices=("draft", "target", "coordinator"), help=argparse.SUPPRESS)  # child
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -273,6 +279,8 @@ def main() -> int:
             "overlap": overlap, "transport": transport,
             **rounds(gamma, per_request, work, forwards, handlers, calls, saves),
             **cpu_per_round(per_request, cpu)}
+    if args.floor == "on":
+        results["transport_floor"] = transport_floor.measure([int(g) for g in args.gammas.split(",")])
     report(args, results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,6 +339,8 @@ def report(args, results: dict) -> None:
         if key.startswith("gamma_"):
             print(f"{r['gamma']:>3} {r['overlap']:>7} {r['transport']:>6} | {r['cpu_coordinator_ms']:>11.3f} "
                   f"{r['cpu_client_ms']:>8.3f} {r['cpu_draft_ms']:>8.3f} {r['cpu_target_ms']:>8.3f}")
+    if "transport_floor" in results:
+        transport_floor.report(results["transport_floor"])
 
 
 def bare_calls(draft, target, n: int = 300) -> dict:
@@ -400,6 +410,9 @@ def plot(path: Path, results: dict) -> None:
                     label=f"γ={r['gamma']} overlap {r['overlap']} {r['transport']} "
                           f"(p50 {r['orchestration_p50']:.2f} ms)")
     ax.axvline(results["bare_two_calls_ms"]["p50"], color="grey", linestyle="--", label="two bare gRPC calls")
+    for gamma, floor in results.get("transport_floor", {}).items():
+        ax.axvline(floor["p50"], color="black", linestyle=":" if gamma else "-.",
+                   label=f"transport floor γ={gamma} (p50 {floor['p50']:.2f} ms)")
     ax.set_xlabel("orchestration per round (ms)")
     ax.set_ylabel("rounds")
     ax.legend()

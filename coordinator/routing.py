@@ -120,7 +120,9 @@ class ReplicaPool:
     def pick(self, key: str) -> ServiceClient | None:
         """key's replica among the usable ones (None when there is none)."""
         ready = self.ready()
-        return self._replicas[rank(key, ready)[0]].client if ready else None
+        if len(ready) <= 1:  # the one replica (or none): no need to rank them
+            return self._replicas[ready[0]].client if ready else None
+        return self._replicas[rank(key, ready)[0]].client
 
     def ready_client(self, address: str) -> ServiceClient | None:
         replica = self._replicas.get(address)

@@ -156,6 +156,16 @@ def _details(exc: BaseException) -> str:
     return exc.details() if isinstance(exc, grpc.RpcError) else repr(exc)
 
 
+def _deadline_exceeded() -> "CallStatus":
+    return CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def _expire(future: asyncio.Future) -> None:
+    """A streamed call's deadline passed: it fails as a unary call would (DEADLINE_EXCEEDED)."""
+    if not future.done():
+        future.set_exception(_deadline_exceeded())
+
+
 class StreamUnsupported(Exception):
     """The server has no such stream method (an older server): use unary calls."""
 
@@ -188,21 +198,28 @@ class CallStream:
         (a grpc.RpcError: its code, details and trailing metadata), StreamUnsupported when the
         server has no stream method. After timeout_s: DEADLINE_EXCEEDED, like a unary call."""
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         call_id = next(self._ids)
         future = loop.create_future()
         stream: _Stream | None = None
+        expiry = None
         try:
-            async with asyncio.timeout(timeout_s):
-                if wait_for_ready and self._stream is None:
-                    await self._channel.channel_ready()  # as a unary call with wait_for_ready waits
-                stream = self._current()
-                stream.pending[call_id] = future
-                stream.outbox.put_nowait(self._request_type(
-                    call_id=call_id, request=request, timeout_ms=_millis(timeout_s)))
-                return await future
-        except TimeoutError:
-            raise CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            if wait_for_ready and self._stream is None:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await self._channel.channel_ready()  # as a unary call with wait_for_ready waits
+                except TimeoutError:
+                    raise _deadline_exceeded() from None
+            stream = self._current()
+            stream.pending[call_id] = future
+            # the deadline fails the future itself: cheaper per call than a timeout scope
+            expiry = loop.call_at(deadline, _expire, future)
+            stream.outbox.put_nowait(self._request_type(
+                call_id=call_id, request=request, timeout_ms=_millis(timeout_s)))
+            return await future
         finally:
+            if expiry is not None:
+                expiry.cancel()
             if stream is not None:
                 stream.pending.pop(call_id, None)  # a late answer is dropped
 
