@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from draft_service import server as draft_server  # noqa: E402
 from bench import transport_floor  # noqa: E402
+from bench.ports import free_port  # noqa: E402
 from specdec import tiny  # noqa: E402
 from specdec.cli import wait_healthy  # noqa: E402
 from specdec.config import DraftConfig, TargetConfig  # noqa: E402
@@ -62,14 +63,6 @@ from specdec.v1 import (  # noqa: E402
     common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc,
 )
 from target_service import server as target_server  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Intervals:

@@ -46,19 +46,12 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.ports import free_port  # noqa: E402
 from specdec.cli import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 MAX_SESSION_TOKENS = 400  # the tiny models' context is 512
 GAUGES = ("specdec_kv_cache_bytes", "specdec_cached_sessions")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -234,13 +227,13 @@ def run_soak(sessions: int = 32, seconds: float = 120.0, draft_model: str = "", 
             budget = kv_cache_bytes or default_budget(sessions, per_token)
             allowances = {name: in_flight_allowance(b, sessions) for name, b in per_token.items()}
             if not redis_url:
-                port = _free_port()
+                port = free_port()
                 procs.append(subprocess.Popen(
                     ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                      "--appendonly", "no"], stdout=subprocess.DEVNULL))
                 redis_url = f"redis://127.0.0.1:{port}/0"
-            ports = {"draft": _free_port(), "target": _free_port(), "coordinator": _free_port()}
-            metrics_ports = {"draft": _free_port(), "target": _free_port()}
+            ports = {"draft": free_port(), "target": free_port(), "coordinator": free_port()}
+            metrics_ports = {"draft": free_port(), "target": free_port()}
             base = [sys.executable, "-m", "specdec.cli", "--log-level", "INFO", "serve"]
             budget_flags = ["--kv-cache-bytes", str(budget), "--max-sessions", str(max_sessions)]
             commands = {

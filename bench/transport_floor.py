@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.ports import free_port  # noqa: E402
 from specdec.cli import wait_healthy  # noqa: E402
 from specdec.rpc.streaming import CallStream, serve_calls  # noqa: E402
 from specdec.v1 import (  # noqa: E402
@@ -100,12 +100,6 @@ async def serve(kind: str, port: int, draft: str = "", target: str = "") -> None
     await server.stop(1.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _cpu_seconds(pid: int) -> float | None:
     """A process's CPU time so far, summed over its threads from /proc's schedstat (nanoseconds;
     None where there is no /proc)."""
@@ -119,7 +113,7 @@ def _cpu_seconds(pid: int) -> float | None:
 def measure(gammas: list[int], requests: int = 15, max_new_tokens: int = 128) -> dict:
     """Per γ: wall time per round as the client sees it (p50, p99, ms) and each process's CPU
     per round (ms; None without /proc), over `requests` streams after one warm-up stream."""
-    ports = {name: _free_port() for name in ("draft", "target", "coordinator")}
+    ports = {name: free_port() for name in ("draft", "target", "coordinator")}
     argv = {"draft": [], "target": [],
             "coordinator": [f"127.0.0.1:{ports['draft']}", f"127.0.0.1:{ports['target']}"]}
     children = {name: subprocess.Popen([sys.executable, __file__, "--serve", name, str(ports[name]), *argv[name]],
