@@ -26,7 +26,7 @@ batch scheduler, the hops to the model thread and back; timed around the service
 `store` = the coordinator's session-store writes; `rest` = what no call or write covers (the
 engine's own Python, streaming the chunk to the client). Two bare unary gRPC calls
 (GetModelInfo on draft and target) are timed as the floor. A second table gives each process's
-CPU time per round (sampled every 20 ms in every process: coordinator, client, draft, target),
+CPU time per round (coordinator, client, draft, target; read from /proc at each stream's ends),
 which says where the time goes when the processes share a few cores: there a round's wall time
 is close to the sum of the CPU its processes spend, wherever it is spent. A third table (--floor
 on, the default) is the transport floor, bench/transport_floor.py: the same round's messages over
@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from draft_service import server as draft_server  # noqa: E402
 from bench import transport_floor  # noqa: E402
-from bench.ports import free_port  # noqa: E402
+from bench.processes import cpu_columns, cpu_of, cpu_spent, free_port  # noqa: E402
 from specdec import tiny  # noqa: E402
 from specdec.cli import wait_healthy  # noqa: E402
 from specdec.config import DraftConfig, TargetConfig  # noqa: E402
@@ -119,34 +119,6 @@ class Intervals:
         return total
 
 
-class CpuClock:
-    """(monotonic time, this process's CPU seconds) every `period_s`, sampled by a daemon thread:
-    the CPU a process spent between two instants, to split a round's cost by process."""
-
-    def __init__(self, period_s: float = 0.02) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self.period_s = period_s
-        threading.Thread(target=self._run, daemon=True, name="cpu-clock").start()
-
-    def _run(self) -> None:
-        while True:
-            self.samples.append((time.perf_counter(), time.process_time()))
-            time.sleep(self.period_s)
-
-
-def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
-    """CPU seconds spent in [start, end], interpolated between a process's CpuClock samples."""
-    def at(t: float) -> float:
-        i = bisect_left(samples, t, key=lambda sample: sample[0])
-        if i == 0:
-            return samples[0][1]
-        if i == len(samples):
-            return samples[-1][1]
-        (t0, c0), (t1, c1) = samples[i - 1], samples[i]
-        return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
-    return at(end) - at(start)
-
-
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * q))]
@@ -160,7 +132,7 @@ def serve(args) -> int:
     from draft_service.servicer import DraftServicer
     from target_service.servicer import TargetServicer
 
-    work, forwards, handlers, cpu = Intervals(), Intervals(), Intervals(), CpuClock()
+    work, forwards, handlers = Intervals(), Intervals(), Intervals()
     if args.serve == "draft":  # before the server binds its handlers
         start, config = draft_server.start, DraftConfig
         DraftServicer.propose = handlers.wrap_async(DraftServicer.propose)
@@ -173,7 +145,7 @@ def serve(args) -> int:
     runner.model.forward = forwards.wrap(runner.model.forward)
     sys.stdin.read()
     Path(args.spans).write_text(json.dumps({"work": work.spans, "forwards": forwards.spans,
-                                            "handlers": handlers.spans, "cpu": cpu.samples}))
+                                            "handlers": handlers.spans}))
     server.stop(None).wait()
     return 0
 
@@ -185,7 +157,7 @@ async def serve_coordinator(args) -> int:
     from coordinator.engine import Engine
     from specdec.config import CoordinatorConfig
 
-    calls, saves, cpu = Intervals(), Intervals(), CpuClock()
+    calls, saves = Intervals(), Intervals()
     DraftClient.propose = calls.wrap_async(DraftClient.propose)
     TargetClient.verify = calls.wrap_async(TargetClient.verify)
     Engine.overlap_store = args.overlap == "on"
@@ -195,7 +167,7 @@ async def serve_coordinator(args) -> int:
     store = running.engine.store
     store.save = saves.wrap_async(store.save)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    Path(args.spans).write_text(json.dumps({"calls": calls.spans, "saves": saves.spans, "cpu": cpu.samples}))
+    Path(args.spans).write_text(json.dumps({"calls": calls.spans, "saves": saves.spans}))
     await running.stop(None)
     return 0
 
@@ -243,8 +215,7 @@ def main() -> int:
         [sys.executable, __file__, "--serve", name, "--model", str(models[name]), "--dtype", args.dtype,
          "--port", str(ports[name]), "--spans", str(root / f"{name}.json")], stdin=subprocess.PIPE, env=env)
         for name in ("draft", "target")}
-    stamps: dict[tuple[str, str, int], list[list[float]]] = {}
-    client_cpu = CpuClock()  # this process: the client's side of the streams
+    stamps: dict[tuple[str, str, int], tuple] = {}  # (per request chunk times, CPU per process)
     try:
         for name in ("draft", "target"):
             wait_healthy(f"127.0.0.1:{ports[name]}", 300, list(children.values()))
@@ -266,12 +237,12 @@ def main() -> int:
     for (overlap, transport, gamma), per_request in stamps.items():
         coordinator = json.loads((root / f"coordinator-{overlap}-{transport}.json").read_text())
         calls, saves = (Intervals([tuple(s) for s in coordinator[kind]]) for kind in ("calls", "saves"))
-        cpu = {"coordinator": coordinator["cpu"], "client": client_cpu.samples,
-               **{name: spans[name]["cpu"] for name in ("draft", "target")}}
+        per_request, cpu = per_request
+        n = max(1, sum(len(stamps) - 1 for stamps in per_request))
         results[f"gamma_{gamma}_overlap_{overlap}_{transport}"] = {
             "overlap": overlap, "transport": transport,
             **rounds(gamma, per_request, work, forwards, handlers, calls, saves),
-            **cpu_per_round(per_request, cpu)}
+            **{f"cpu_{name}_ms": None if s is None else 1000 * s / n for name, s in cpu.items()}}
     if args.floor == "on":
         results["transport_floor"] = transport_floor.measure([int(g) for g in args.gammas.split(",")])
     report(args, results)
@@ -287,7 +258,7 @@ def main() -> int:
 
 
 def run_coordinator(args, overlap: str, transport: str, ports: dict[str, int], root: Path,
-                    services: dict[str, subprocess.Popen]) -> dict[tuple[str, str, int], list[list[float]]]:
+                    services: dict[str, subprocess.Popen]) -> dict[tuple[str, str, int], tuple]:
     """Start a coordinator (overlap on or off, stream or unary transport), time every γ's
     streams through it, stop it."""
     port = free_port()
@@ -302,8 +273,10 @@ def run_coordinator(args, overlap: str, transport: str, ports: dict[str, int], r
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             for gamma in [int(g) for g in args.gammas.split(",")]:
-                chunk_times(stub, gamma, 4, 16)  # warm-up
-                stamps[overlap, transport, gamma] = chunk_times(stub, gamma, args.requests, args.max_new_tokens)
+                pids = {"coordinator": child.pid, "client": os.getpid(),
+                        **{name: service.pid for name, service in services.items()}}
+                chunk_times(stub, gamma, 4, 16, pids)  # warm-up
+                stamps[overlap, transport, gamma] = chunk_times(stub, gamma, args.requests, args.max_new_tokens, pids)
     finally:
         child.stdin.close()
         child.wait(60)
@@ -325,13 +298,12 @@ def report(args, results: dict) -> None:
               f"{r['work_p50']:>10.3f} "
               f"{r['orchestration_p50']:>9.3f} {r['orchestration_p99']:>9.3f} {r['beyond_forward_p50']:>9.3f} | "
               f"{r['service_p50']:>8.3f} {r['grpc_p50']:>8.3f} {r['store_p50']:>8.3f} {r['rest_p50']:>8.3f}")
-    print("\nCPU per round, by process (ms, mean over the rounds; on 2 cores the processes share them, so CPU "
-          "spent off the critical path still delays it; draft and target include their model work)")
+    print("\nCPU per round, by process (ms, mean over the rounds; processes sharing the cores delay each other "
+          "even off the critical path; draft and target include their model work)")
     print(f"{'γ':>3} {'overlap':>7} {'rpc':>6} | {'coordinator':>11} {'client':>8} {'draft':>8} {'target':>8}")
     for key, r in results.items():
         if key.startswith("gamma_"):
-            print(f"{r['gamma']:>3} {r['overlap']:>7} {r['transport']:>6} | {r['cpu_coordinator_ms']:>11.3f} "
-                  f"{r['cpu_client_ms']:>8.3f} {r['cpu_draft_ms']:>8.3f} {r['cpu_target_ms']:>8.3f}")
+            print(f"{r['gamma']:>3} {r['overlap']:>7} {r['transport']:>6} | {cpu_columns(r)}")
     if "transport_floor" in results:
         transport_floor.report(results["transport_floor"])
 
@@ -346,24 +318,26 @@ def bare_calls(draft, target, n: int = 300) -> dict:
     return {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
 
 
-def chunk_times(stub, gamma: int, requests: int, max_new: int) -> list[list[float]]:
-    """Per request, when each streamed chunk (one round) arrived."""
-    out = []
+def chunk_times(stub, gamma: int, requests: int, max_new: int, pids: dict[str, int]
+                ) -> tuple[list[list[float]], dict[str, float | None]]:
+    """Per request, when each streamed chunk (one round) arrived; and the CPU seconds each
+    process in `pids` spent from each request's first chunk to the end of its stream, summed
+    (None where /proc cannot tell)."""
+    out, spent = [], {name: 0.0 for name in pids}
     for i in range(requests):
         request = coordinator_pb2.GenerateRequest(
             prompt=f"def f{i}(x):", max_new_tokens=max_new, num_speculative_tokens=gamma, ignore_eos=True,
             sampling=common_pb2.SamplingParams(temperature=0.0))
-        out.append([time.perf_counter() for chunk in stub.Generate(request, timeout=600) if chunk.token_ids])
-    return out
-
-
-def cpu_per_round(per_request: list[list[float]], cpu: dict[str, list[tuple[float, float]]]) -> dict:
-    """Each process's CPU time per round (ms): what it spent from each request's first chunk to
-    its last, summed over the requests, over the rounds in between."""
-    n = sum(len(stamps) - 1 for stamps in per_request)
-    return {f"cpu_{name}_ms": 1000 * sum(cpu_between(samples, stamps[0], stamps[-1])
-                                         for stamps in per_request if len(stamps) > 1) / max(1, n)
-            for name, samples in cpu.items()}
+        stamps, first = [], None
+        for chunk in stub.Generate(request, timeout=600):
+            if chunk.token_ids:
+                stamps.append(time.perf_counter())
+                first = first or cpu_of(pids)  # from the first round's end: the rounds timed below
+        out.append(stamps)
+        if first is not None:
+            for name, seconds in cpu_spent(first, cpu_of(pids)).items():
+                spent[name] = None if seconds is None or spent[name] is None else spent[name] + seconds
+    return out, spent
 
 
 def rounds(gamma: int, per_request: list[list[float]], work: Intervals, forwards: Intervals,

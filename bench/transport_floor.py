@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.ports import free_port  # noqa: E402
+from bench.processes import cpu_columns, cpu_of, cpu_spent, free_port  # noqa: E402
 from specdec.cli import wait_healthy  # noqa: E402
 from specdec.rpc.streaming import CallStream, serve_calls  # noqa: E402
 from specdec.v1 import (  # noqa: E402
@@ -100,16 +101,6 @@ async def serve(kind: str, port: int, draft: str = "", target: str = "") -> None
     await server.stop(1.0)
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """A process's CPU time so far, summed over its threads from /proc's schedstat (nanoseconds;
-    None where there is no /proc)."""
-    try:
-        return sum(int((task / "schedstat").read_text().split()[0])
-                   for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def measure(gammas: list[int], requests: int = 15, max_new_tokens: int = 128) -> dict:
     """Per γ: wall time per round as the client sees it (p50, p99, ms) and each process's CPU
     per round (ms; None without /proc), over `requests` streams after one warm-up stream."""
@@ -127,19 +118,16 @@ def measure(gammas: list[int], requests: int = 15, max_new_tokens: int = 128) ->
             for gamma in gammas:
                 request = coordinator_pb2.GenerateRequest(max_new_tokens=max_new_tokens, num_speculative_tokens=gamma)
                 list(stub.Generate(request, timeout=120))  # warm-up
-                cpu0 = {name: _cpu_seconds(child.pid) for name, child in children.items()}
-                client0, gaps = time.process_time(), []
+                pids = {"client": os.getpid(), **{name: child.pid for name, child in children.items()}}
+                before, gaps = cpu_of(pids), []
                 for _ in range(requests):
                     stamps = [time.perf_counter() for _ in stub.Generate(request, timeout=120)]
                     gaps += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
-                cpu = {name: _cpu_seconds(child.pid) for name, child in children.items()}
-                rounds = max(1, len(gaps))
+                spent, rounds = cpu_spent(before, cpu_of(pids)), max(1, len(gaps))
                 gaps.sort()
                 out[gamma] = {
                     "rounds": len(gaps), "p50": gaps[len(gaps) // 2], "p99": gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
-                    "cpu_client_ms": 1000 * (time.process_time() - client0) / rounds,
-                    **{f"cpu_{name}_ms": None if cpu[name] is None or cpu0[name] is None
-                       else 1000 * (cpu[name] - cpu0[name]) / rounds for name in children}}
+                    **{f"cpu_{name}_ms": None if s is None else 1000 * s / rounds for name, s in spent.items()}}
     finally:
         for name in ("coordinator", "draft", "target"):  # the callers first: no stream is cut under them
             children[name].stdin.close()
@@ -151,10 +139,8 @@ def report(floor: dict) -> None:
     print("\ntransport floor: a round's messages with no work behind them (bench/transport_floor.py), ms per round")
     print(f"{'γ':>3} {'rounds':>7} {'wall p50':>9} {'wall p99':>9} | CPU {'coordinator':>11} {'client':>8} "
           f"{'draft':>8} {'target':>8}")
-    fmt = lambda v: f"{v:8.3f}" if v is not None else f"{'n/a':>8}"  # noqa: E731
     for gamma, r in floor.items():
-        print(f"{gamma:>3} {r['rounds']:>7} {r['p50']:>9.3f} {r['p99']:>9.3f} |     {fmt(r['cpu_coordinator_ms']):>11} "
-              f"{fmt(r['cpu_client_ms'])} {fmt(r['cpu_draft_ms'])} {fmt(r['cpu_target_ms'])}")
+        print(f"{gamma:>3} {r['rounds']:>7} {r['p50']:>9.3f} {r['p99']:>9.3f} |     {cpu_columns(r)}")
 
 
 def main() -> int:
