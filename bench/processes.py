@@ -34,8 +34,8 @@ def cpu_spent(before: dict[str, float | None], after: dict[str, float | None]) -
             for name in before}
 
 
-def cpu_columns(row: dict, width: int = 8) -> str:
+def cpu_columns(row: dict) -> str:
     """A row's cpu_{coordinator,client,draft,target}_ms as table columns (n/a where unknown)."""
-    names = ("coordinator", "client", "draft", "target")
+    widths = {"coordinator": 11, "client": 8, "draft": 8, "target": 8}
     return " ".join(f"{'n/a' if row[f'cpu_{n}_ms'] is None else format(row[f'cpu_{n}_ms'], '.3f'):>{w}}"
-                    for n, w in zip(names, (11, width, width, width)))
+                    for n, w in widths.items())

@@ -103,7 +103,8 @@ async def serve(kind: str, port: int, draft: str = "", target: str = "") -> None
 
 def measure(gammas: list[int], requests: int = 15, max_new_tokens: int = 128) -> dict:
     """Per γ: wall time per round as the client sees it (p50, p99, ms) and each process's CPU
-    per round (ms; None without /proc), over `requests` streams after one warm-up stream."""
+    per round (ms; None where the system cannot tell), over `requests` streams after one warm-up
+    stream."""
     ports = {name: free_port() for name in ("draft", "target", "coordinator")}
     argv = {"draft": [], "target": [],
             "coordinator": [f"127.0.0.1:{ports['draft']}", f"127.0.0.1:{ports['target']}"]}
