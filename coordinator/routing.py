@@ -50,6 +50,9 @@ def weight(key: str, address: str) -> int:
 
 def rank(key: str, addresses: Iterable[str]) -> list[str]:
     """Addresses by descending weight for key: the first is key's replica, then its fallbacks."""
+    addresses = list(addresses)
+    if len(addresses) <= 1:  # one replica (or none): nothing to weigh
+        return addresses
     return sorted(addresses, key=lambda address: (weight(key, address), address), reverse=True)
 
 
@@ -120,9 +123,7 @@ class ReplicaPool:
     def pick(self, key: str) -> ServiceClient | None:
         """key's replica among the usable ones (None when there is none)."""
         ready = self.ready()
-        if len(ready) <= 1:  # the one replica (or none): no need to rank them
-            return self._replicas[ready[0]].client if ready else None
-        return self._replicas[rank(key, ready)[0]].client
+        return self._replicas[rank(key, ready)[0]].client if ready else None
 
     def ready_client(self, address: str) -> ServiceClient | None:
         replica = self._replicas.get(address)

@@ -117,8 +117,8 @@ class Metrics:
         self._child(self.round_latency, stage).observe(seconds)
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        """metric.labels(*labels), looked up once: the coordinator records every round, and
-        prometheus_client's labels() validates and locks on each call."""
+        """metric.labels(*labels), looked up once: the coordinator records every round, every
+        service every call, and prometheus_client's labels() validates and locks on each."""
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:
@@ -149,7 +149,7 @@ class Metrics:
 
     def record_request(self, method: str, code: Any) -> None:
         """A finished call: `code` is a grpc.StatusCode or its name ("OK", "INVALID_ARGUMENT")."""
-        self.requests.labels(method, str(getattr(code, "name", code))).inc()
+        self._child(self.requests, method, str(getattr(code, "name", code))).inc()
 
     def render(self) -> bytes:
         """The text exposition of this registry (what /metrics serves)."""
