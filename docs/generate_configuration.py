@@ -46,8 +46,10 @@ hand. Run `python docs/generate_configuration.py` after changing a flag;
 tests/test_configuration_doc.py fails while this page is stale. -->
 
 Every flag of every `specdec` command, with its default and its environment variable. What
-the flags do in context is explained in [design.md](design.md) and [deploy.md](deploy.md) (the
-Helm chart and compose).
+the flags do in context is explained in [design.md](design.md) (proposers, γ, the governors,
+batching), [operations.md](operations.md) (sessions, replicas, limits, TLS, metrics),
+[models.md](models.md) (models, dtypes, quantization) and [deploy.md](deploy.md) (the Helm
+chart and compose).
 
 How a value is chosen, for each flag:
 

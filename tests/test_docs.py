@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 OUTSIDE = ("../shared", "shared/DESIGN.md", "/work/")
@@ -32,3 +34,26 @@ def test_relative_links_resolve_inside_the_repository(doc):
         resolved = (doc.parent / target).resolve()
         assert resolved.is_relative_to(ROOT), f"{doc.name} links outside the repository: {target}"
         assert resolved.exists(), f"{doc.name} links to a missing file: {target}"
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    anchors = set()
+    for heading in re.findall(r"^#+\s+(.+?)\s*$", re.sub(r"```.*?```", "", doc.read_text(), flags=re.S), re.M):
+        anchors.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_to_a_section_name_one_that_exists(doc):
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", doc.read_text()):
+        page = (doc.parent / target).resolve() if target else doc
+        if page.suffix != ".md":
+            continue
+        assert anchor in _anchors(page), f"{doc.name} links to a missing section: {target}#{anchor}"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in readme, f"README.md has no link to docs/{page.name}"
