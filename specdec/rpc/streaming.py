@@ -1,8 +1,8 @@
 """Unary calls multiplexed on one long-lived bidirectional stream (ProposeStream, VerifyStream).
 
 A unary call pays for a new HTTP/2 stream (headers both ways, trailers) every time; a message on
-a stream that is already open costs less (about 0.31 ms against 0.53 ms a round trip on
-loopback), and the coordinator makes two such calls per round. So each stream request carries
+a stream that is already open costs less (docs/benchmarks.md has the measured round trips), and
+the coordinator makes two such calls per round. So each stream request carries
 one call (a `call_id` the client picks, the unary request, the call's own timeout) and each
 response answers one call: the unary response, or the status the unary call would have ended
 with (code, message, trailing metadata), so the client raises the very same domain error.

@@ -4,10 +4,9 @@ Every nn.Linear becomes an `Int8Linear`: its weight stored as int8 with one scal
 row (symmetric, round to nearest), activations left in the model's dtype, the product run by
 PyTorch's int8-weight matmul kernel (`aten._weight_int8pack_mm`, the one gpt-fast's int8 mode
 uses). On a CPU a decode step is bound by reading the weights, so halving their bytes against
-bfloat16 shortens the step: the 0.5B draft on the 2-core dev machine went from ≈110 ms to
-≈70 ms a step, while its greedy tokens agreed with the target's as often as before (85 % vs
-86 % teacher-forced over 400 tokens of the benchmark prompts). Dynamic int8 (activations
-quantized too) was faster still (≈50 ms) but agreed only 72 % of the time: a worse draft.
+bfloat16 shortens the step, while the draft's greedy tokens agree with the target's as often as
+before. Dynamic int8 (activations quantized too) is faster still but agrees less often: a worse
+draft. The measured step times and agreement are in docs/benchmarks.md.
 
 Rows are computed independently (no activation scale shared by a batch), so batched and lone
 forwards still agree and the runner's start-up check applies as for any model. For a draft
