@@ -253,7 +253,7 @@ def run_soak(sessions: int = 32, seconds: float = 120.0, draft_model: str = "", 
                 pids[name] = proc.pid
                 wait_healthy(f"127.0.0.1:{ports[name]}", 300, [proc])
             address = f"127.0.0.1:{ports['coordinator']}"
-            from specdec.runtime.loader import load_tokenizer
+            from specdec.tokenizer import load_tokenizer
 
             vocab = len(load_tokenizer(target_model))
             tally = Tally()

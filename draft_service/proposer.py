@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.rng import make_generator
+from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.runner import ModelRunner, Row
 from specdec.sampling import proposal_top_k

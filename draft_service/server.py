@@ -10,10 +10,10 @@ from specdec.config import DraftConfig
 from specdec.rpc.model_server import serve_model
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer
-from specdec.runtime.loader import tokenizer_fingerprint
 from specdec.runtime.runner import runner_from_config
 from specdec.runtime.scheduler import batch_scheduler
 from specdec.runtime.worker import ModelWorker
+from specdec.tokenizer import tokenizer_fingerprint
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 from draft_service.proposer import ModelProposer

@@ -2,18 +2,18 @@
 
 The coordinator owns one `RequestRng` per request, seeded from the request's
 seed (or a fresh random one). Each round it takes `round_seeds()`: one seed for
-the draft and one for the target, which build a torch.Generator from it. No two
-seeds of a request are equal, so the draft's and the target's draws are never
-the same stream, nor is any round's a repeat of another's; a seeded request is
-reproducible end to end, and a resent round reuses its seeds.
+the draft and one for the target, which build a torch.Generator from it
+(specdec.runtime.generators.make_generator; this module imports no torch, so the
+coordinator, which runs no model, does not load it). No two seeds of a request
+are equal, so the draft's and the target's draws are never the same stream, nor
+is any round's a repeat of another's; a seeded request is reproducible end to
+end, and a resent round reuses its seeds.
 """
 
 from __future__ import annotations
 
 import random
 import secrets
-
-import torch
 
 SEED_BITS = 63
 
@@ -52,10 +52,3 @@ class RequestRng:
             draft_seed = self._fresh_seed()
             self._next = (draft_seed, self._fresh_seed())
         return self._next
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A torch generator on `device`, seeded deterministically."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int(seed) & ((1 << 64) - 1))
-    return generator

@@ -10,7 +10,7 @@ import torch
 from specdec.acceptance import accept_greedy, accept_sampled
 from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
-from specdec.rng import make_generator
+from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.runner import ModelRunner, Row
 from specdec.sampling import target_probs

@@ -17,7 +17,7 @@ import pytest
 from coordinator.server import StartupError, start as start_coordinator
 from specdec import tiny
 from specdec.config import CoordinatorConfig
-from specdec.runtime.loader import load_tokenizer, tokenizer_fingerprint
+from specdec.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.v1 import target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference

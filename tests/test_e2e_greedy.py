@@ -99,7 +99,7 @@ def test_stop_string_ends_generation_and_is_excluded(llama_cluster):
 
 
 def test_chat_messages_use_the_chat_template(llama_cluster, models):
-    from specdec.runtime.loader import load_tokenizer
+    from specdec.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(models["llama"]["target"])
     messages = [("system", "be brief"), ("user", "say hi")]

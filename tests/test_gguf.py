@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.runtime.loader import load_model, tokenizer_fingerprint
+from specdec.runtime.loader import load_model
+from specdec.tokenizer import tokenizer_fingerprint
 from tests.cluster import Cluster
 from tests.gguf_writer import write_llama_gguf
 from tests.test_e2e_greedy import reference

@@ -10,7 +10,8 @@ from scipy.stats import chisquare
 from specdec.acceptance import accept_greedy, accept_sampled
 from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
-from specdec.rng import RequestRng, make_generator
+from specdec.rng import RequestRng
+from specdec.runtime.generators import make_generator
 from specdec.sampling import densify, proposal_top_k, target_probs, truncate_top_k, warp_logits
 from specdec.types import SamplingParams
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+
+# the tokenizer half lives in specdec.tokenizer (no torch); tokenizer_fingerprint stays
+# importable from here for the importers not yet moved there
+from specdec.tokenizer import ModelLoadError, load_tokenizer, model_source, tokenizer_fingerprint  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +22,6 @@ TORCH_DTYPES = {
 }
 
 
-class ModelLoadError(RuntimeError):
-    """The model or tokenizer could not be loaded; the message says why and what to do."""
-
-
 @dataclass
 class LoadedModel:
     model: Any  # a transformers PreTrainedModel in eval mode on `device`
@@ -32,29 +29,6 @@ class LoadedModel:
     model_id: str
     dtype: torch.dtype
     device: torch.device
-
-
-def _source(spec: str) -> tuple[str, dict[str, Any]]:
-    """(path or hub id, extra from_pretrained kwargs) for a model spec."""
-    path = Path(spec).expanduser()
-    if spec.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {spec}")
-        return str(path.parent), {"gguf_file": path.name}
-    if path.exists():
-        return str(path), {}
-    return spec, {}
-
-
-def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
-    """The tokenizer of a model spec (directory, hub id or .gguf file)."""
-    from transformers import AutoTokenizer
-
-    source, extra = _source(spec)
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **extra)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {exc}") from exc
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
@@ -79,7 +53,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
     if quantize == "int8" and dtype == "float64":
         log.info("--quantize int8: %s runs in float32 (the int8 kernel takes no float64)", spec)
         dtype = "float32"
-    source, extra = _source(spec)
+    source, extra = model_source(spec)
     torch_dtype = TORCH_DTYPES[dtype]
     tokenizer = load_tokenizer(spec, trust_remote_code)
     try:
@@ -94,18 +68,6 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         model = quantize_int8(model)
     log.info("loaded %s (%s%s on %s)", spec, dtype, ", int8 linears" if quantize == "int8" else "", target_device)
     return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
-
-
-def tokenizer_fingerprint(tokenizer: Any, limit: int | None = None) -> str:
-    """sha256 over the vocabulary's (id, token) pairs with id < limit (None: all of them).
-
-    Two models can draft for each other exactly when every id either can emit (below the
-    smaller output size) means the same token to both; entries past a model's output size
-    (e.g. an unk/pad a tokenizer class adds) cannot be emitted and do not matter, nor does
-    which tokens a checkpoint calls bos or pad.
-    """
-    vocab = sorted((i, t) for t, i in tokenizer.get_vocab().items() if limit is None or i < limit)
-    return hashlib.sha256(json.dumps([[t, i] for i, t in vocab], ensure_ascii=False).encode()).hexdigest()
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

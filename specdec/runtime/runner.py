@@ -21,12 +21,8 @@ from specdec.errors import CacheMiss, InvalidArgument, ResourceExhausted
 from specdec.logtag import session_tag
 from specdec.runtime import batch_cache
 from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches, common_prefix
-from specdec.runtime.loader import (
-    LoadedModel,
-    eos_token_ids,
-    max_context_length,
-    tokenizer_fingerprint,
-)
+from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
+from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
 
 log = logging.getLogger(__name__)
