@@ -37,7 +37,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec.cli import wait_healthy  # noqa: E402
+from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 LEVELS = (1, 4, 16, 32)

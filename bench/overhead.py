@@ -57,8 +57,8 @@ from draft_service import server as draft_server  # noqa: E402
 from bench import transport_floor  # noqa: E402
 from bench.processes import cpu_columns, cpu_of, cpu_spent, free_port  # noqa: E402
 from specdec import tiny  # noqa: E402
-from specdec.cli import wait_healthy  # noqa: E402
 from specdec.config import DraftConfig, TargetConfig  # noqa: E402
+from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import (  # noqa: E402
     common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc,
 )

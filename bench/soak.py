@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.processes import free_port  # noqa: E402
-from specdec.cli import wait_healthy  # noqa: E402
+from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 MAX_SESSION_TOKENS = 400  # the tiny models' context is 512

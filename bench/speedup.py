@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from bench import report  # noqa: E402
 from bench.hf_methods import Timed, methods as hf_methods  # noqa: E402
 from bench.prompts import PROMPTS, QUICK, Prompt  # noqa: E402
-from specdec.cli import wait_healthy  # noqa: E402
+from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 DRAFT_GAMMAS = (1, 2, 3, 4, 5, 6)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.processes import cpu_columns, cpu_of, cpu_spent, free_port  # noqa: E402
-from specdec.cli import wait_healthy  # noqa: E402
+from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.rpc.streaming import CallStream, serve_calls  # noqa: E402
 from specdec.v1 import (  # noqa: E402
     common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc,

@@ -102,39 +102,14 @@ def _serve_coordinator(args: argparse.Namespace) -> int:
 
 # ---- up ---------------------------------------------------------------------------------------
 
-def open_channel(address: str, credentials: Any = None, server_name: str = "") -> Any:
-    """A blocking channel: plaintext, or TLS with `credentials` (grpc.ChannelCredentials)."""
-    import grpc
+def wait_healthy(address: str, timeout_s: float, procs: Sequence[subprocess.Popen] = ()) -> None:
+    """specdec.rpc.health.wait_healthy, its failure the command's exit message."""
+    from specdec.rpc.health import NotHealthy, wait_healthy as wait
 
-    from specdec.rpc.security import name_override_options
-
-    if credentials is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, credentials, options=name_override_options(server_name))
-
-
-def wait_healthy(address: str, timeout_s: float, procs: Sequence[subprocess.Popen] = (),
-                 credentials: Any = None, server_name: str = "") -> None:
-    """Wait until a gRPC server answers SERVING on grpc.health.v1 (or a process dies);
-    over TLS when `credentials` (grpc.ChannelCredentials) are given."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with open_channel(address, credentials, server_name) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            for proc in procs:
-                if proc.poll() is not None:
-                    raise SystemExit(f"a service exited with code {proc.returncode} while starting")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise SystemExit(f"{address} did not become healthy within {timeout_s:.0f}s")
+    try:
+        wait(address, timeout_s, procs)
+    except NotHealthy as exc:
+        raise SystemExit(str(exc))
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -216,6 +191,7 @@ def _client_security(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
+    from specdec.rpc.health import open_channel
     from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
     sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

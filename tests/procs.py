@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 
 from coordinator import server as coordinator_server
-from specdec.cli import wait_healthy
 from specdec.config import CoordinatorConfig
+from specdec.rpc.health import wait_healthy
 from specdec.v1 import coordinator_pb2_grpc
 from tests.cluster import LoopThread, generate_request
 from tests.redis_server import free_port
