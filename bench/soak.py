@@ -234,7 +234,7 @@ def run_soak(sessions: int = 32, seconds: float = 120.0, draft_model: str = "", 
                 redis_url = f"redis://127.0.0.1:{port}/0"
             ports = {"draft": free_port(), "target": free_port(), "coordinator": free_port()}
             metrics_ports = {"draft": free_port(), "target": free_port()}
-            base = [sys.executable, "-m", "specdec.cli", "--log-level", "INFO", "serve"]
+            base = [sys.executable, "-m", "specdec_cli", "--log-level", "INFO", "serve"]
             budget_flags = ["--kv-cache-bytes", str(budget), "--max-sessions", str(max_sessions)]
             commands = {
                 name: base + [name, "--model", model, "--dtype", dtype, "--port", str(ports[name]),

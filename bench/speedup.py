@@ -124,7 +124,7 @@ def model_paths(args) -> tuple[str, str]:
 def start_services(draft: str, target: str, args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "SPECDEC_COORDINATOR_DRAFT_AHEAD": args.draft_ahead}
-    command = [sys.executable, "-m", "specdec.cli", "up", "--port", str(args.port), "--dtype", args.dtype,
+    command = [sys.executable, "-m", "specdec_cli", "up", "--port", str(args.port), "--dtype", args.dtype,
                "--device", args.device, "--draft-model", draft, "--target-model", target,
                "--draft-quantize", args.draft_quantize]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)

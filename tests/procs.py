@@ -34,7 +34,7 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> "ServiceProcess":
-        command = [sys.executable, "-m", "specdec.cli", "serve", self.kind, "--model", self.model,
+        command = [sys.executable, "-m", "specdec_cli", "serve", self.kind, "--model", self.model,
                    "--dtype", self.dtype, "--port", str(self.port), *self.extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

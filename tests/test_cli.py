@@ -12,7 +12,7 @@ import pytest
 
 
 def run_cli(*args, timeout=180, env=None):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specdec_cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -95,7 +95,7 @@ def test_up_stops_its_services_on_sigterm(models):
     import psutil
 
     port = _free_port_block()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--draft-model",
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "up", "--draft-model",
                              models["llama"]["draft"], "--target-model", models["llama"]["target"],
                              "--dtype", "float32", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

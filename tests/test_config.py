@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from specdec.config import CoordinatorConfig, DraftConfig, add_arguments, from_sources
-from specdec.cli import build_parser
+from specdec_cli.main import build_parser
 
 
 def parse(cls, prefix, argv, env):

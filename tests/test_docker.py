@@ -118,7 +118,7 @@ def test_copied_paths_exist_and_are_not_docker_ignored(dockerfile):
               if line.startswith("COPY") and "--from=" not in line]
     sources = [src for args in copies for src in args if not src.startswith("--")]
     assert {"pyproject.toml", "README.md", "specdec", "coordinator", "draft_service", "target_service",
-            "docker/healthcheck.py"} <= set(sources)
+            "specdec_cli", "docker/healthcheck.py"} <= set(sources)
     for src in sources:
         assert (ROOT / src).exists(), src
         assert not ignored(src), f"{src} is excluded by .dockerignore"
@@ -170,7 +170,7 @@ def test_compose_commands_exist_in_the_cli(compose):
     commands = {name: s["command"] for name, s in compose["services"].items() if _ours(s)}
     # each sub-command answers --help through the image's entry point module
     for path in sorted({tuple(argv[:2]) for argv in commands.values()}):
-        proc = subprocess.run([sys.executable, "-m", "specdec.cli", *path, "--help"], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "specdec_cli", *path, "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "usage: specdec" in proc.stdout, (path, proc.stderr)
     check_against_cli(commands)

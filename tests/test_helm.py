@@ -498,7 +498,7 @@ def test_notes_tell_how_to_call_the_api(rendered, chart):
 def unknown_flags(argv: list[str]) -> list[str]:
     """Flags in argv that `specdec`'s parser does not know. Known flags must hold valid values:
     argparse checks the choices, and a `serve` command's values must build its config."""
-    from specdec.cli import build_parser
+    from specdec_cli.main import build_parser
     from specdec.config import CoordinatorConfig, DraftConfig, TargetConfig, from_sources
 
     try:

@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("specdec", "coordinator", "draft_service", "target_service")  # bench has its own extra
+PACKAGES = ("specdec", "specdec_cli", "coordinator", "draft_service", "target_service")  # bench has its own extra
 # packages transformers imports only when it loads a .gguf file: no import of ours names them
 GGUF_LOADER_NEEDS = ("gguf", "accelerate")
 
@@ -67,7 +67,7 @@ def _python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_models_fetch_help_runs():
-    result = _python("-m", "specdec.cli", "models", "fetch", "--help")
+    result = _python("-m", "specdec_cli", "models", "fetch", "--help")
     assert result.returncode == 0, result.stderr
     assert "--source" in result.stdout and "--cache-dir" in result.stdout
 

