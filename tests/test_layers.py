@@ -1,0 +1,216 @@
+"""Imports point down and form no circle.
+
+The layers, top to bottom: the command line (`specdec_cli`) composes the three apps
+(`coordinator`, `draft_service`, `target_service`), which import none of each other, and
+all of them stand on the shared library (`specdec`), which imports none of them. The import
+graph here is read from the source with `ast`: every import, at module level or inside a
+function, as a lazy import is a dependency all the same. The coordinator runs no model, so
+none of its modules may bring torch into its process.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("specdec", "specdec_cli", "coordinator", "draft_service", "target_service")
+APPS = ("coordinator", "draft_service", "target_service")
+# what each package must not import (directly or lazily)
+FORBIDDEN = {
+    "specdec": {*APPS, "specdec_cli"},
+    "specdec_cli": set(),
+    **{app: {*APPS, "specdec_cli"} - {app} for app in APPS},
+}
+
+
+def module_files() -> dict[str, Path]:
+    """Module name -> file, for every module of PACKAGES."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def _known(name: str) -> str | None:
+    """The longest prefix of a dotted name that is one of our modules (None: not ours)."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in MODULES:
+            return candidate
+    return None
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` names, relative ones resolved against `module`."""
+    if not node.level:
+        return node.module or ""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
+def imports_of(module: str) -> set[str]:
+    """The modules of ours that `module` imports; `from x import y` counts x.y where y is a module."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text(), str(MODULES[module]))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            names = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in MODULES else source
+                     for alias in node.names]
+        else:
+            continue
+        found.update(target for target in map(_known, names) if target and target != module)
+    return found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def _components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def _cycle_through(start: str, members: set[str]) -> list[str]:
+    """A shortest import circle from `start` back to itself within `members`."""
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for successor in sorted(GRAPH[node] & members):
+            if successor == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if successor not in came_from:
+                came_from[successor] = node
+                queue.append(successor)
+    raise AssertionError(f"{start} is on no circle within {sorted(members)}")
+
+
+def test_the_graph_sees_lazy_and_submodule_imports():
+    """The parser itself: a lazy import counts, and `from package import module` names the module."""
+    assert "coordinator.server" in GRAPH["specdec_cli.serve"]  # imported inside serve_coordinator
+    assert "specdec.rpc.health" in GRAPH["specdec_cli.generate"]  # imported inside run
+    assert "specdec_cli.generate" in GRAPH["specdec_cli.up"]  # from specdec_cli import generate
+    assert "specdec.v1.common_pb2" in GRAPH["specdec.v1.coordinator_pb2"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circle(package):
+    circles = []
+    for component in _components(GRAPH):
+        if any(module.split(".")[0] == package for module in component):
+            circle = _cycle_through(component[0], set(component))
+            circles.append(" -> ".join(circle) + ("" if len(component) == len(circle) - 1 else
+                                                  f"  (one circle of {', '.join(component)})"))
+    assert not circles, f"import circles through {package}:\n" + "\n".join(circles)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_point_down(package):
+    upward = sorted(f"{module} imports {target}" for module, targets in GRAPH.items()
+                    if module.split(".")[0] == package
+                    for target in targets if target.split(".")[0] in FORBIDDEN[package])
+    assert not upward, f"{package} must import none of {sorted(FORBIDDEN[package])}:\n" + "\n".join(upward)
+
+
+# Imports the modules named on its command line in turn; after each that brought torch into
+# sys.modules, prints the module and the chain of module-level imports that reached torch.
+TORCH_PROBE = r"""
+import importlib, sys
+
+chains = []
+
+
+class Probe:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            frame, chain = sys._getframe(1), ["torch"]
+            while frame is not None:
+                module = frame.f_globals.get("__name__", "")
+                if frame.f_code.co_name == "<module>" and module not in ("__main__", chain[-1]):
+                    chain.append(module)
+                frame = frame.f_back
+            chains.append(" -> ".join(reversed(chain)))
+        return None
+
+
+sys.meta_path.insert(0, Probe())
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    if "torch" in sys.modules:
+        print(f"{name}: {chains[-1] if chains else 'torch'}")
+        break
+"""
+
+
+def _torch_importers(modules: list[str]) -> list[str]:
+    result = subprocess.run([sys.executable, "-c", TORCH_PROBE, *modules], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, f"importing {modules} failed:\n{result.stderr}"
+    return result.stdout.splitlines()
+
+
+def test_no_coordinator_module_imports_torch():
+    modules = sorted(module for module in MODULES if module.split(".")[0] == "coordinator")
+    if not _torch_importers(modules):
+        return
+    # one fresh process per module, to name every module that brings torch in and how
+    offenders = [line for module in modules for line in _torch_importers([module])]
+    pytest.fail("torch is imported by these coordinator modules (module: import chain):\n"
+                + "\n".join(offenders))
