@@ -47,9 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-DRAFT, NGRAM, NONE = "draft", "ngram", "none"
-SOURCES = (DRAFT, NGRAM)
-MODES = ("auto", DRAFT, NGRAM, NONE)
+from specdec.types import Proposer
+
+SOURCES = (Proposer.DRAFT, Proposer.NGRAM)  # the sources that propose tokens
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -183,10 +183,10 @@ class CostModel:
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.observe(tokens, seconds)
 
-    def observe_propose(self, source: str, gamma: int, seconds: float) -> None:
+    def observe_propose(self, source: Proposer, gamma: int, seconds: float) -> None:
         self.propose[source].observe(gamma, seconds)
 
-    def relative_cost(self, source: str, gamma: int, load: int = 1) -> float:
+    def relative_cost(self, source: Proposer, gamma: int, load: int = 1) -> float:
         """(t_propose(γ) + t_verify(load·(γ + 1))) / t_verify(load): a round's cost in plain-decode
         steps when `load` alike sessions share the target's batches.
 
@@ -199,19 +199,19 @@ class CostModel:
         not measured yet)."""
         return self.verify.predict(max(1, load) * tokens)
 
-    def steps_within(self, source: str, seconds: float) -> int | None:
+    def steps_within(self, source: Proposer, seconds: float) -> int | None:
         """The most proposal steps of `source` that take at most `seconds` (None: not measured)."""
         propose = self.propose[source].coefficients()
         if propose is None or propose[1] <= 0:
             return None
         return max(0, int((seconds - propose[0]) / propose[1]))
 
-    def relative_costs(self, source: str, max_gamma: int, load: int = 1) -> list[float]:
+    def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
         """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""
         verify, propose = self.verify.coefficients(), self.propose[source].coefficients()
         load = max(1, load)
         t1 = None if verify is None else verify[0] + verify[1] * load
-        default = self.default_cost_ratio if source == DRAFT else 0.0
+        default = self.default_cost_ratio if source == Proposer.DRAFT else 0.0
         costs = [1.0]
         for gamma in range(1, max_gamma + 1):
             if t1 is None or t1 <= 0:
@@ -247,7 +247,7 @@ class PolicyConfig:
 class Choice:
     """A round's plan. Unpacks as ``source, gamma = choice``."""
 
-    source: str        # "draft" | "ngram" | "none"
+    source: Proposer   # DRAFT | NGRAM | NONE
     gamma: int         # tokens to propose (0 exactly when source is "none")
     reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
@@ -279,16 +279,15 @@ class SessionPolicy:
                         for s in SOURCES}
         self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
 
-    def alpha(self, source: str) -> float | None:
+    def alpha(self, source: Proposer) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round).
         The draft's keeps `draft_prior_weight` trials of the coordinator-wide α once that has
         warmed up: the draft's acceptance belongs to the pair more than to the session, and a
         session's own estimate, forgetting at alpha_decay per round, dips after a few rejections in
-        a row (then prompt lookup at α 0.1–0.2 priced it out for rounds on end, on the suite's
-        chat and explanation prompts). Prompt lookup's α is the session's own: it differs by far
+        a row, and a weak prompt lookup would then take the rounds that follow. Prompt lookup's α is the session's own: it differs by far
         between a rewrite and new text."""
         own = self.sources[source].acceptance
-        prior = self.draft_prior if source == DRAFT else None
+        prior = self.draft_prior if source == Proposer.DRAFT else None
         if (prior is None or prior.alpha is None or prior.rounds < self.config.warmup_rounds
                 or own.trials <= 0):
             return own.alpha
@@ -301,7 +300,7 @@ class SessionPolicy:
         estimate = self.ngram_orders.get(order)
         if estimate is not None and estimate.trials >= self.config.order_min_trials:
             return estimate.alpha
-        return self.alpha(NGRAM)
+        return self.alpha(Proposer.NGRAM)
 
     def seed_order(self, order: int, alpha: float, weight: float) -> None:
         """Start prompt lookup's α for a match length from a prior (see `seed`)."""
@@ -309,7 +308,7 @@ class SessionPolicy:
         estimate = self.ngram_orders.setdefault(order, AcceptanceEstimate(self.config.alpha_decay))
         estimate.successes, estimate.trials = alpha * weight, float(weight)
 
-    def seed(self, source: str, alpha: float, weight: float) -> None:
+    def seed(self, source: Proposer, alpha: float, weight: float) -> None:
         """Start a source from a prior α (what other sessions measured) worth `weight` trials,
         instead of warm-up rounds; the session's own rounds soon outweigh it."""
         _check_alpha(alpha)
@@ -318,7 +317,7 @@ class SessionPolicy:
         estimate.rounds = max(estimate.rounds, self.config.warmup_rounds)
 
     def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
-               draft_available: bool = True, mode: str = "auto",
+               draft_available: bool = True, mode: Proposer = Proposer.AUTO,
                fixed_gamma: int | None = None, ngram_order: int = 0, load: int = 1) -> Choice:
         """The source and γ of the next round.
 
@@ -329,22 +328,21 @@ class SessionPolicy:
         draft_available: False while the draft tier is failing;
         mode / fixed_gamma: the request's override (fixed source and / or fixed γ).
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        mode = Proposer(mode)  # ValueError for anything else
         if fixed_gamma is not None and fixed_gamma < 0:
             raise ValueError(f"fixed_gamma must be >= 0, got {fixed_gamma}")
         cap = self.config.max_gamma if max_gamma is None else max_gamma
         caps = self._caps(mode, cap, ngram_available, draft_available)
-        if fixed_gamma == 0 or mode == NONE:
-            return self._chose(caps, Choice(NONE, 0, "override"))
+        if fixed_gamma == 0 or mode == Proposer.NONE:
+            return self._chose(caps, Choice(Proposer.NONE, 0, "override"))
         if not caps:
-            return self._chose(caps, Choice(NONE, 0, "unavailable"))
-        if fixed_gamma is not None and mode != "auto":
+            return self._chose(caps, Choice(Proposer.NONE, 0, "unavailable"))
+        if fixed_gamma is not None and mode != Proposer.AUTO:
             return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
         return self._chose(caps, self._explore(caps, fixed_gamma)
                            or self._best(caps, fixed_gamma, ngram_order, load))
 
-    def observe(self, source: str, proposed: int, accepted: int, *,
+    def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
                 verified_tokens: int | None = None, trials: bool = True, ngram_order: int = 0,
                 batch_tokens: int | None = None) -> None:
@@ -357,7 +355,7 @@ class SessionPolicy:
         batch_tokens: the tokens verified across the coordinator's generations while this round's
         were (its own included; default verified_tokens): what the verify time is fitted against.
         """
-        if source not in (*SOURCES, NONE):
+        if source not in (*SOURCES, Proposer.NONE):
             raise ValueError(f"source must be draft, ngram or none, got {source!r}")
         if not 0 <= accepted <= proposed:
             raise ValueError(f"need 0 <= accepted <= proposed, got {accepted}, {proposed}")
@@ -366,7 +364,7 @@ class SessionPolicy:
                 self.sources[source].acceptance.observe(proposed, accepted)
             else:  # a round all the same: warm-up ends even if its own tokens are never tried
                 self.sources[source].acceptance.rounds += 1
-            if trials and source == NGRAM and ngram_order > 0:
+            if trials and source == Proposer.NGRAM and ngram_order > 0:
                 self.ngram_orders.setdefault(ngram_order, AcceptanceEstimate(self.config.alpha_decay)).observe(
                     proposed, accepted)
             if propose_seconds is not None:
@@ -376,17 +374,17 @@ class SessionPolicy:
         if verify_seconds is not None and 0 < tokens <= limit:
             self.costs.observe_verify(max(tokens, batch_tokens or 0), verify_seconds)
 
-    def _caps(self, mode: str, cap: int, ngram_available: int,
-              draft_available: bool) -> dict[str, int]:
+    def _caps(self, mode: Proposer, cap: int, ngram_available: int,
+              draft_available: bool) -> dict[Proposer, int]:
         """Per eligible source, the most tokens it may propose this round."""
         caps = {}
-        if mode in ("auto", DRAFT) and draft_available and cap > 0:
-            caps[DRAFT] = cap
-        if mode in ("auto", NGRAM) and min(cap, ngram_available) > 0:
-            caps[NGRAM] = min(cap, ngram_available)
+        if mode in (Proposer.AUTO, Proposer.DRAFT) and draft_available and cap > 0:
+            caps[Proposer.DRAFT] = cap
+        if mode in (Proposer.AUTO, Proposer.NGRAM) and min(cap, ngram_available) > 0:
+            caps[Proposer.NGRAM] = min(cap, ngram_available)
         return caps
 
-    def _explore(self, caps: dict[str, int], fixed_gamma: int | None) -> Choice | None:
+    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None) -> Choice | None:
         """Warm-up of a source without enough data, or a probe of one left unused too long."""
         c = self.config
         for source, cap in caps.items():
@@ -399,13 +397,13 @@ class SessionPolicy:
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None
 
-    def _best(self, caps: dict[str, int], fixed_gamma: int | None, ngram_order: int = 0,
+    def _best(self, caps: dict[Proposer, int], fixed_gamma: int | None, ngram_order: int = 0,
               load: int = 1) -> Choice:
         """The eligible source and γ with the largest estimated speedup; none when no source
         beats plain decoding (with a fixed γ a source is always used)."""
         options = []
         for source, cap in caps.items():
-            alpha = (self.ngram_alpha(ngram_order) if source == NGRAM else self.alpha(source)) or 0.0
+            alpha = (self.ngram_alpha(ngram_order) if source == Proposer.NGRAM else self.alpha(source)) or 0.0
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
                 speedup = expected_tokens(alpha, gamma) / self.costs.relative_cost(source, gamma, load)
@@ -415,16 +413,16 @@ class SessionPolicy:
             if gamma > 0:
                 options.append(Choice(source, gamma, "best", speedup))
         if not options:
-            return Choice(NONE, 0, "best")
+            return Choice(Proposer.NONE, 0, "best")
         top = max(options, key=lambda option: option.speedup)  # ties: the first (draft)
         if fixed_gamma is None and top.speedup <= 1.0 + self.config.min_gain:
-            return Choice(NONE, 0, "best")
+            return Choice(Proposer.NONE, 0, "best")
         if top.speedup > 1.0 + self.config.min_gain:  # it wins (not merely forced by a fixed γ):
             # once it stops, it is probed soon (its α may have dipped on a few rounds)
             self.sources[top.source].probe_interval = self.config.lapsed_probe_interval
         return top
 
-    def _chose(self, caps: dict[str, int], choice: Choice) -> Choice:
+    def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
         """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""
         for source in caps:
             state = self.sources[source]

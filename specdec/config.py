@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
+from specdec.types import DraftAhead, Proposer
+
 DTYPES = ("float64", "float32", "bfloat16", "float16")
-PROPOSERS = ("auto", "draft", "ngram", "none")
 
 C = TypeVar("C")
 
@@ -114,13 +115,14 @@ class CoordinatorConfig(ServerTlsConfig):
                                           "picks")
     default_proposer: str = opt("auto", "proposal source when a request leaves proposer unset: auto "
                                 "(per round, prompt lookup or the draft model or none, whichever pays "
-                                "most), draft, ngram (prompt lookup only) or none", PROPOSERS)
+                                "most), draft, ngram (prompt lookup only) or none", tuple(p.value for p in Proposer))
     ngram_max: int = opt(3, "longest n-gram prompt lookup matches against the session's history "
                          "(it tries n = this .. 1)")
     ngram_max_tokens: int = opt(16, "most tokens one prompt lookup proposes")
     load_governor: bool = opt(True, "while 2+ generations run, compare the coordinator's tokens/s with "
-                              "and without speculation in short trials and keep the better for a "
-                              "minute (requests that fix γ or the proposer are left alone)")
+                              "and without speculation in short trials and keep the better for two "
+                              "minutes, longer while the same verdict repeats decisively (requests "
+                              "that fix γ or the proposer are left alone)")
     draft_hints: bool = opt(True, "under proposer auto, send prompt lookup's tokens with a draft-model "
                             "round as hints: the draft keeps those it agrees with at no extra step")
     draft_min_confidence: float = opt(0.4, "adaptive γ: the draft stops proposing after a token it "
@@ -135,7 +137,7 @@ class CoordinatorConfig(ServerTlsConfig):
                            "cores: auto measures which (short alternating epochs with and without, per "
                            "load band, the winner held for 10 minutes and 10x the trial's rounds, and longer), on "
                            "and off fix it",
-                           ("auto", "on", "off"))
+                           tuple(d.value for d in DraftAhead))
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")

@@ -19,8 +19,10 @@ from typing import Any, Callable, ContextManager, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest, start_http_server
 
+from specdec.types import Proposer
+
 SERVICES = ("coordinator", "draft", "target")
-PROPOSERS = ("draft", "ngram", "none")
+ROUND_SOURCES = tuple(p.value for p in Proposer if p != Proposer.AUTO)  # a round's proposer label
 STAGES = ("draft", "verify", "store", "coordinator")
 WATCHABLE = ("active_sessions", "cached_sessions", "kv_cache_bytes", "queue_depth")
 
@@ -92,11 +94,11 @@ class Metrics:
                                  registry=r)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see _child
 
-    def record_round(self, proposer: str, gamma: int, accepted: int,
+    def record_round(self, proposer: Proposer | str, gamma: int, accepted: int,
                      stage_seconds: Mapping[str, float] | None = None) -> None:
         """One speculation round: γ proposed by `proposer`, `accepted` of them kept, and the
         seconds it spent per stage (draft, verify, store, coordinator)."""
-        _check(proposer, PROPOSERS, "proposer")
+        _check(proposer, ROUND_SOURCES, "proposer")
         if not 0 <= accepted <= gamma:
             raise ValueError(f"need 0 <= accepted <= gamma, got {accepted}, {gamma}")
         child = self._child

@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from specdec.errors import InvalidArgument
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as in vLLM): 1/T would overflow
+
+
+class Proposer(StrEnum):
+    """Where a round's proposed tokens come from. A request names one (AUTO lets the
+    coordinator pick per round); a round's source is one of the other three."""
+
+    AUTO = "auto"    # per round, whichever source the policy expects to pay most
+    DRAFT = "draft"  # the draft model (the draft service)
+    NGRAM = "ngram"  # prompt lookup in the session's own history (no model call)
+    NONE = "none"    # no proposals: plain target decoding
+
+
+class DraftAhead(StrEnum):
+    """Whether a draft-model round asks the draft to go on for the next round while it is
+    verified (--draft-ahead)."""
+
+    AUTO = "auto"  # measured: alternating epochs with and without, the faster kept
+    ON = "on"
+    OFF = "off"
 
 
 @dataclass(frozen=True)
