@@ -20,9 +20,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+from coordinator.tiers import Tier
+
 log = logging.getLogger(__name__)
 
-TIERS = ("draft", "target")
 SERVICE_LABEL = "kubernetes.io/service-name"
 IN_CLUSTER_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this long; we resume it
@@ -60,14 +61,14 @@ class StaticDiscovery:
     """Fixed lists (--draft A1,A2 --target B1,B2)."""
 
     def __init__(self, addresses: Mapping[str, Iterable[str]]):
-        self.addresses = {tier: frozenset(addresses[tier]) for tier in TIERS}
+        self.addresses = {tier: frozenset(addresses[tier]) for tier in Tier}
 
     def start(self, loop: asyncio.AbstractEventLoop, on_change: OnChange) -> None:
-        for tier in TIERS:
+        for tier in Tier:
             on_change(tier, self.addresses[tier])
 
     def describe(self) -> str:
-        return ", ".join(f"{tier} {','.join(sorted(self.addresses[tier]))}" for tier in TIERS)
+        return ", ".join(f"{tier} {','.join(sorted(self.addresses[tier]))}" for tier in Tier)
 
     async def close(self) -> None:
         return None
@@ -236,15 +237,15 @@ def _client_configuration(kubeconfig: str | None) -> tuple[Any, str]:
 def from_config(config: Any) -> Discovery:
     """The discovery that CoordinatorConfig asks for (DiscoveryError when it is incomplete)."""
     if config.discovery == "static":
-        return StaticDiscovery({"draft": parse_addresses(config.draft, "--draft"),
-                                "target": parse_addresses(config.target, "--target")})
+        return StaticDiscovery({Tier.DRAFT: parse_addresses(config.draft, "--draft"),
+                                Tier.TARGET: parse_addresses(config.target, "--target")})
     if config.discovery == "kubernetes":
         missing = [flag for flag, value in (("--draft-service", config.draft_service),
                                             ("--target-service", config.target_service)) if not value]
         if missing:
             raise DiscoveryError(f"--discovery kubernetes needs {' and '.join(missing)} (the Services "
                                  "of the draft and target Deployments)")
-        services = [ServiceRef("draft", config.draft_service, config.draft_port),
-                    ServiceRef("target", config.target_service, config.target_port)]
+        services = [ServiceRef(Tier.DRAFT, config.draft_service, config.draft_port),
+                    ServiceRef(Tier.TARGET, config.target_service, config.target_port)]
         return KubernetesDiscovery(services, config.namespace, os.environ.get("KUBECONFIG"))
     raise DiscoveryError(f"unknown --discovery {config.discovery!r}: use static or kubernetes")

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from specdec.errors import FailedPrecondition, Unavailable
 
 from coordinator.store import (
-    Lease, SessionRecord, busy_error, check_lease, not_found_error, taken_over_error,
+    Lease, Placement, SessionRecord, busy_error, check_lease, not_found_error, taken_over_error,
 )
 
 PREFIX = "specdec:session:"
@@ -130,8 +130,8 @@ class RedisSessionStore:
             session_id=session_id, token_ids=[int(t) for t in tokens],
             created_at=float(meta["created_at"]), updated_at=float(meta["updated_at"]),
             requests=int(meta["requests"]), stats=json.loads(meta["stats"]),
-            draft_address=meta["draft_address"], draft_held=int(meta["draft_held"]),
-            target_address=meta["target_address"], target_held=int(meta["target_held"]),
+            draft=Placement(meta["draft_address"], int(meta["draft_held"])),
+            target=Placement(meta["target_address"], int(meta["target_held"])),
         )
         record.stored_len = len(record.token_ids)
         return record
@@ -159,8 +159,8 @@ class RedisSessionStore:
         return {
             "created_at": repr(record.created_at), "updated_at": repr(time.time()),
             "requests": str(record.requests), "stats": json.dumps(record.stats),
-            "draft_address": record.draft_address, "draft_held": str(record.draft_held),
-            "target_address": record.target_address, "target_held": str(record.target_held),
+            "draft_address": record.draft.address, "draft_held": str(record.draft.held),
+            "target_address": record.target.address, "target_held": str(record.target.held),
         }
 
     def _lease_lost(self, session_id: str, result: int) -> None:

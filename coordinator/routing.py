@@ -9,7 +9,7 @@ one that joins takes only the sessions that now hash to it. A failed replica is 
 a background health check says it answers again (and, for drafts, at least --draft-retry-s).
 
 `Routes` holds both pools, feeds them from a discovery, and keeps a session record's
-`<tier>_address` / `<tier>_held` honest: a session that lands on another replica than the one
+placement per tier (the replica's address, the tokens it holds) honest: a session that lands on another replica than the one
 recorded holds nothing there, so the next call resends its history from the store.
 """
 
@@ -29,8 +29,9 @@ from specdec.errors import SpecdecError, Unavailable
 from specdec.types import ModelDescription
 
 from coordinator.clients import ServiceClient, release_quietly
-from coordinator.discovery import TIERS, Discovery
-from coordinator.store import SessionRecord
+from coordinator.discovery import Discovery
+from coordinator.store import Placement, SessionRecord
+from coordinator.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ class Routes:
         self.discovery = discovery
         self.drafts = drafts
         self.targets = targets
-        self.pools = {"draft": drafts, "target": targets}
+        self.pools = {Tier.DRAFT: drafts, Tier.TARGET: targets}
         self._tasks: set[asyncio.Task] = set()
 
     def start(self) -> None:
@@ -280,42 +281,41 @@ class Routes:
     def describe(self) -> str:
         return "; ".join(pool.describe() for pool in self.pools.values())
 
-    def usable(self, service: str) -> bool:
-        return bool(self.pools[service].ready())
+    def usable(self, tier: Tier) -> bool:
+        return bool(self.pools[tier].ready())
 
-    def pick(self, service: str, record: SessionRecord) -> ServiceClient:
+    def pick(self, tier: Tier, record: SessionRecord) -> ServiceClient:
         """The session's replica of this tier (Unavailable when none is usable). When that is not
         the replica the record names, the record is moved there holding nothing, and the copy the
         previous replica holds is released."""
-        pool = self.pools[service]
+        pool = self.pools[tier]
         client = pool.pick(record.session_id)
         if client is None:
-            raise Unavailable(f"no {service} replica is usable ({pool.describe()}); retry when one is back")
-        previous = getattr(record, f"{service}_address")
+            raise Unavailable(f"no {tier} replica is usable ({pool.describe()}); retry when one is back")
+        previous = record.placement(tier).address
         if previous != client.address:
-            setattr(record, f"{service}_address", client.address)
-            setattr(record, f"{service}_held", 0)
+            record.place(tier, Placement(client.address, 0))
             stale = pool.ready_client(previous)
             if stale is not None:
                 self._spawn(release_quietly(stale, record.session_id))
-            log.debug("session %s: %s replica %s -> %s", record.session_id, service, previous or "-",
+            log.debug("session %s: %s replica %s -> %s", record.session_id, tier, previous or "-",
                       client.address)
         return client
 
     def place(self, record: SessionRecord) -> None:
         """Record the session's replicas now (where there are usable ones)."""
-        for service in TIERS:
+        for tier in Tier:
             try:
-                self.pick(service, record)
+                self.pick(tier, record)
             except Unavailable:
                 pass
 
-    def failed(self, service: str, address: str) -> None:
-        self.pools[service].mark_failed(address)
+    def failed(self, tier: Tier, address: str) -> None:
+        self.pools[tier].mark_failed(address)
 
     async def release(self, record: SessionRecord) -> None:
         """Free the session's KV caches on the replicas that hold them (best effort)."""
-        clients = [self.pools[s].ready_client(getattr(record, f"{s}_address")) for s in TIERS]
+        clients = [self.pools[tier].ready_client(record.placement(tier).address) for tier in Tier]
         await asyncio.gather(*(release_quietly(c, record.session_id) for c in clients if c is not None))
 
     def _spawn(self, coro: Awaitable) -> None:

@@ -141,7 +141,7 @@ def test_coordinator_follows_kubernetes_endpoints(api, tmp_path, models, monkeyp
         wait_until(lambda: coordinator.replicas("target") == {good: "ready", foreign_address: "refused"})
         assert "different tokenizers" in coordinator.describe_replicas("target")
         sids = [coordinator.complete(prompt=f"{i}", max_new_tokens=2).session_id for i in range(8)]
-        assert {coordinator.record(s).target_address for s in sids} == {good}  # never the refused one
+        assert {coordinator.record(s).target.address for s in sids} == {good}  # never the refused one
         api.put(NS, "t", "target-svc", [("127.0.0.1", False), ("127.0.0.2", True)])
         wait_until(lambda: coordinator.replicas("target") == {foreign_address: "refused"})
         with pytest.raises(grpc.RpcError) as info:

@@ -13,7 +13,9 @@ import pytest
 import redis
 
 from coordinator.redis_store import RedisSessionStore, _keys
-from coordinator.store import Lease, MemorySessionStore, open_store
+from coordinator.memory_store import MemorySessionStore
+from coordinator.store import Lease, Placement
+from coordinator.stores import open_store
 from specdec import tiny
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
 from specdec.v1 import coordinator_pb2
@@ -30,7 +32,7 @@ async def _roundtrip(store: RedisSessionStore):
     lease = await store.acquire(record.session_id)
     leased = lease.record
     leased.token_ids += [1, 2, 3]
-    leased.draft_address, leased.draft_held = "d:1", 2
+    leased.draft = Placement("d:1", 2)
     leased.stats = {"rounds": 4}
     await store.save(leased, lease)
     leased.token_ids += [4]
@@ -46,7 +48,7 @@ def test_roundtrip_and_append(redis_url):
         try:
             record, got = await _roundtrip(store)
             assert got.token_ids == [1, 2, 3, 4]
-            assert (got.draft_address, got.draft_held, got.stats) == ("d:1", 2, {"rounds": 4})
+            assert (got.draft.address, got.draft.held, got.stats) == ("d:1", 2, {"rounds": 4})
             ttl = await store.client.pttl(_keys(record.session_id)[1])
             assert 0 < ttl <= 100_000
             assert await store.delete(record.session_id)

@@ -85,7 +85,7 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
         tokens = record(response.session_id).token_ids
         r = record(response.session_id)
         assert list(response.token_ids) == tokens[-NEW:] == greedy(tokens[:-NEW], NEW), (
-            response.stats, r.target_address, r.draft_address, len(tokens), fields)
+            response.stats, r.target.address, r.draft.address, len(tokens), fields)
         return response
 
     try:
@@ -98,13 +98,13 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
 
         sids = [turn(None, prompt=f"session {i}: def f(x):").session_id for i in range(SESSIONS)]
         placed = {sid: record(sid) for sid in sids}
-        drafts = Counter(r.draft_address for r in placed.values())
-        targets = Counter(r.target_address for r in placed.values())
+        drafts = Counter(r.draft.address for r in placed.values())
+        targets = Counter(r.target.address for r in placed.values())
         assert set(drafts) == {d1.address, d2.address} and set(targets) == {t1.address, t2.address}
         for sid, r in placed.items():  # each session on its rendezvous choice
-            assert r.draft_address == rank(sid, [d1.address, d2.address])[0]
-            assert r.target_address == rank(sid, [t1.address, t2.address])[0]
-        on_t1 = {sid for sid, r in placed.items() if r.target_address == t1.address}
+            assert r.draft.address == rank(sid, [d1.address, d2.address])[0]
+            assert r.target.address == rank(sid, [t1.address, t2.address])[0]
+        on_t1 = {sid for sid, r in placed.items() if r.target.address == t1.address}
 
         # kill t1 in the middle of a stream of one of its sessions: the stream completes on t2
         streamed = next(iter(sorted(on_t1)))
@@ -126,10 +126,10 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
                 response = turn(sid, prompt=" more")
                 assert response.stats.target_retries == 0  # t1 is known failed: t2 directly
             after_kill[sid] = record(sid)
-        assert all(r.target_address == t2.address for r in after_kill.values())
-        moved = {sid for sid in sids if after_kill[sid].target_address != placed[sid].target_address}
+        assert all(r.target.address == t2.address for r in after_kill.values())
+        moved = {sid for sid in sids if after_kill[sid].target.address != placed[sid].target.address}
         assert moved == on_t1
-        assert all(after_kill[sid].draft_address == placed[sid].draft_address for sid in sids)
+        assert all(after_kill[sid].draft.address == placed[sid].draft.address for sid in sids)
 
         # t1 is back (same address): the sessions that hash to it go back to it
         t1.start()
@@ -137,8 +137,8 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
         for sid in sids:
             turn(sid, prompt=" again")
         back = {sid: record(sid) for sid in sids}
-        assert all(r.target_address == placed[sid].target_address for sid, r in back.items())
-        moved_back = {sid for sid in sids if back[sid].target_address != after_kill[sid].target_address}
+        assert all(r.target.address == placed[sid].target.address for sid, r in back.items())
+        moved_back = {sid for sid in sids if back[sid].target.address != after_kill[sid].target.address}
         assert moved_back == on_t1
 
         # a draft replica killed: the round that finds it dead runs target-only, its sessions move to d2
@@ -149,9 +149,9 @@ def test_sessions_spread_fail_over_and_come_back(models, replicas, foreign_draft
             fallbacks += response.stats.fallback_rounds
             assert response.stats.draft_tokens > 0
         final = {sid: record(sid) for sid in sids}
-        assert all(r.draft_address == d2.address for r in final.values())
+        assert all(r.draft.address == d2.address for r in final.values())
         assert fallbacks == 1  # only the first round that met the dead replica
-        draft_moved = sum(placed[sid].draft_address == d1.address for sid in sids)
+        draft_moved = sum(placed[sid].draft.address == d1.address for sid in sids)
         print(f"\nsessions per draft: {dict(drafts)}; per target: {dict(targets)}; "
               f"moved after the target kill: {len(moved)} (all of {t1.address}'s); moved back after its "
               f"restart: {len(moved_back)}; moved after the draft kill: {draft_moved}; "
