@@ -1,14 +1,12 @@
-"""Drafting ahead where it pays (--draft-ahead auto): measured, not guessed.
+"""Whether drafting ahead pays (--draft-ahead auto): measured, not guessed.
 
-A call made ahead (engine.py, `_draft_ahead`) lets the draft work while the target verifies.
+A call made ahead (proposers/draft_ahead.py) lets the draft work while the target verifies.
 Where the two run on separate hardware (the chart's draft and target pools, two GPUs, a core
-each) that work is free, and a round whose drafts were made ahead makes no draft call: on the
-2-core dev machine with a core per service, `auto` requests went 2.00× / 2.00× / 1.80×
-target-only without it and 2.41× / 2.37× / 1.92× with it (three prompts). Where they share the
-same cores, the draft's forward slows the target's: a fixed γ = 4 went 1.89× / 1.92× / 1.85×
-without and 1.58× / 1.60× / 1.51× with it. Nothing a service reports tells the two apart
+each) that work is free, and a round whose drafts were made ahead makes no draft call. Where
+they share the same cores, the draft's forward slows the target's and drafting ahead loses
+(docs/benchmarks.md has both measurements). Nothing a service reports tells the two apart
 reliably (one host can give each service its own cores; two hosts can be one VM's), so
-`AheadGovernor` measures it.
+`DraftAheadTrial` measures it.
 
 It compares, for the draft-model rounds of all sessions, the tokens committed per second of
 round time with calls made ahead ("on") and without ("off"), in alternating short epochs so
@@ -37,10 +35,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from coordinator.governor import load_band
+from specdec.types import DraftAhead
 
-ON, OFF = "on", "off"
-SETTINGS = ("auto", ON, OFF)
+from coordinator.load_governor import load_band
+
+ON, OFF = DraftAhead.ON, DraftAhead.OFF  # a round's mode; AUTO is a setting only
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +48,7 @@ PATTERN = (OFF, ON, ON, OFF)  # the modes of a trial's epochs, repeated; epochs 
 
 @dataclass
 class _Epoch:
-    mode: str
+    mode: DraftAhead
     rounds: int = 0        # draft rounds run under it (counted or not)
     tokens: int = 0        # committed by its counted rounds
     seconds: float = 0.0   # their round time
@@ -67,8 +66,8 @@ class _Band:
     pair: dict = field(default_factory=dict)  # mode -> rate, of the pair of epochs running
     samples: list[float] = field(default_factory=list)  # log(rate on / rate off), one per pair
     trial_rounds: int = 0                 # draft rounds recorded during the trial
-    verdict: str | None = None            # while it holds; None during a trial
-    last_verdict: str | None = None
+    verdict: DraftAhead | None = None     # while it holds; None during a trial
+    last_verdict: DraftAhead | None = None
     decided_at: float = 0.0
     hold_s: float = 0.0                   # how long the last verdict holds (seconds) ...
     hold_rounds: int = 0                  # ... and draft rounds at the least
@@ -84,11 +83,11 @@ class _Band:
 
 
 @dataclass
-class AheadGovernor:
+class DraftAheadTrial:
     """Whether draft-model rounds make a call ahead now: `mode(load)` in a round, `record` after
-    it. `setting` "on" / "off" fixes the answer; "auto" measures (see the module docstring)."""
+    it. `setting` ON / OFF fixes the answer; AUTO measures (see the module docstring)."""
 
-    setting: str = "auto"
+    setting: DraftAhead = DraftAhead.AUTO
     epoch_rounds: int = 6      # draft rounds per epoch (the first after a switch does not count)
     min_pairs: int = 4         # pairs of epochs before a trial may end
     max_pairs: int = 24        # ... and when it ends at the latest
@@ -99,15 +98,16 @@ class AheadGovernor:
     max_hold_s: float = 4800.0  # the hold doubles while the same verdict comes again, up to this
     clock: Callable[[], float] = time.monotonic
     bands: dict[int, _Band] = field(default_factory=dict)
-    _last_mode: dict[str, str] = field(default_factory=dict)  # session -> mode of its last draft round
+    _last_mode: dict[str, DraftAhead] = field(default_factory=dict)  # session -> its last draft round's
 
     def __post_init__(self) -> None:
-        if self.setting not in SETTINGS:
-            raise ValueError(f"draft_ahead must be one of {', '.join(SETTINGS)}, got {self.setting!r}")
+        if self.setting not in tuple(DraftAhead):
+            raise ValueError(f"draft_ahead must be one of {', '.join(DraftAhead)}, got {self.setting!r}")
+        self.setting = DraftAhead(self.setting)
 
-    def mode(self, load: int) -> str:
-        """Whether a draft-model round with `load` generations running makes a call ahead: on | off."""
-        if self.setting != "auto":
+    def mode(self, load: int) -> DraftAhead:
+        """Whether a draft-model round with `load` generations running makes a call ahead: ON | OFF."""
+        if self.setting != DraftAhead.AUTO:
             return self.setting
         band = self._band(load)
         if band.holds(self.clock()):
@@ -117,10 +117,10 @@ class AheadGovernor:
             log.info("draft ahead, load band %d: trying again", load_band(load))
         return band.epoch.mode
 
-    def record(self, session_id: str, load: int, mode: str, tokens: int, seconds: float) -> None:
+    def record(self, session_id: str, load: int, mode: DraftAhead, tokens: int, seconds: float) -> None:
         """A draft-model round of `session_id` ran under `mode`, committed `tokens` in `seconds`."""
         previous, self._last_mode[session_id] = self._last_mode.get(session_id), mode
-        if self.setting != "auto":
+        if self.setting != DraftAhead.AUTO:
             return
         band = self._band(load)
         epoch = band.epoch

@@ -4,8 +4,7 @@ A session's policy (policy.py) prices its own rounds. Under load that view is pa
 target batches many sessions, so one session's γ barely moves its own verify time, and where
 the draft and the target share hardware (a CPU box) every draft step takes compute the batch
 could have used. Speculation can then lose aggregate throughput while each session still sees
-it pay (measured on the 2-core dev machine with the real pair: 16 sessions at the default
-policy made 0.6× the tokens per second of γ = 0).
+it pay (docs/benchmarks.md has the measurement).
 
 `LoadGovernor` settles it by measurement. While at least `min_load` generations run, it runs
 a trial of two epochs — speculation as the policies choose it, and plain decoding (γ = 0) for

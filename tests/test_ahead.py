@@ -17,7 +17,7 @@ class Clock:
         return self.now
 
 
-def run(governor: AheadGovernor, clock: Clock, rounds: int, on_rate: float, off_rate: float,
+def run(governor: DraftAheadTrial, clock: Clock, rounds: int, on_rate: float, off_rate: float,
         load: int = 1, sessions: int = 1, noise: float = 0.2, seed: int = 0,
         last: dict[str, str] | None = None) -> dict[str, int]:
     """Simulate `rounds` draft rounds (round-robin over `sessions`): each commits 1–6 tokens at
@@ -39,7 +39,7 @@ def run(governor: AheadGovernor, clock: Clock, rounds: int, on_rate: float, off_
     return spent
 
 
-def until_verdict(governor: AheadGovernor, clock: Clock, on_rate: float, off_rate: float, seed: int = 0) -> None:
+def until_verdict(governor: DraftAheadTrial, clock: Clock, on_rate: float, off_rate: float, seed: int = 0) -> None:
     last: dict[str, str] = {}
     for chunk in range(1000):
         run(governor, clock, 1, on_rate, off_rate, seed=seed * 1000 + chunk, last=last)
@@ -50,7 +50,7 @@ def until_verdict(governor: AheadGovernor, clock: Clock, on_rate: float, off_rat
 
 def test_fixed_settings_never_measure():
     for setting in (ON, OFF):
-        governor = AheadGovernor(setting)
+        governor = DraftAheadTrial(setting)
         governor.record("s", 1, setting, 3, 0.5)
         assert governor.mode(1) == setting and governor.mode(40) == setting
         assert not governor.bands
@@ -58,12 +58,12 @@ def test_fixed_settings_never_measure():
 
 def test_an_unknown_setting_is_refused():
     with pytest.raises(ValueError, match="auto, on, off"):
-        AheadGovernor("sometimes")
+        DraftAheadTrial("sometimes")
 
 
 def test_epochs_run_off_on_on_off():
     clock = Clock()
-    governor = AheadGovernor(clock=clock, epoch_rounds=3, min_pairs=99, max_pairs=99)
+    governor = DraftAheadTrial(clock=clock, epoch_rounds=3, min_pairs=99, max_pairs=99)
     modes = []
     for _ in range(24):
         modes.append(governor.mode(1))
@@ -73,7 +73,7 @@ def test_epochs_run_off_on_on_off():
 
 def test_calls_made_ahead_that_pay_are_kept():
     clock = Clock()
-    governor = AheadGovernor(clock=clock)
+    governor = DraftAheadTrial(clock=clock)
     spent = run(governor, clock, 400, on_rate=13.0, off_rate=10.0)  # separate hardware: +30 %
     band = governor.bands[0]
     assert band.verdict == ON and governor.mode(1) == ON
@@ -83,7 +83,7 @@ def test_calls_made_ahead_that_pay_are_kept():
 
 def test_calls_made_ahead_that_slow_the_target_are_dropped():
     clock = Clock()
-    governor = AheadGovernor(clock=clock)
+    governor = DraftAheadTrial(clock=clock)
     spent = run(governor, clock, 400, on_rate=8.5, off_rate=10.0)  # shared cores: -15 %
     assert governor.bands[0].verdict == OFF and not governor.mode(1) == ON
     assert spent[OFF] > 300
@@ -91,7 +91,7 @@ def test_calls_made_ahead_that_slow_the_target_are_dropped():
 
 def test_a_tie_keeps_them_off_after_the_longest_trial():
     clock = Clock()
-    governor = AheadGovernor(clock=clock, max_pairs=10)
+    governor = DraftAheadTrial(clock=clock, max_pairs=10)
     run(governor, clock, 10 * 2 * governor.epoch_rounds, on_rate=10.0, off_rate=10.0, noise=0.0)
     band = governor.bands[0]
     assert len(band.samples) == 10 and band.verdict == OFF  # "on" must win by min_gain
@@ -99,7 +99,7 @@ def test_a_tie_keeps_them_off_after_the_longest_trial():
 
 def test_the_round_after_a_switch_is_not_counted():
     clock = Clock()
-    governor = AheadGovernor(clock=clock, epoch_rounds=4)
+    governor = DraftAheadTrial(clock=clock, epoch_rounds=4)
     run(governor, clock, 4, 10.0, 10.0)  # the first off epoch: its first round has no predecessor
     band = governor.bands[0]
     assert band.index == 1 and band.epoch.mode == ON
@@ -113,7 +113,7 @@ def test_the_round_after_a_switch_is_not_counted():
 
 def test_a_verdict_holds_for_its_time_and_rounds_then_longer_when_it_repeats():
     clock = Clock()
-    governor = AheadGovernor(clock=clock, hold_s=60.0, max_hold_s=200.0, hold_factor=3)
+    governor = DraftAheadTrial(clock=clock, hold_s=60.0, max_hold_s=200.0, hold_factor=3)
     until_verdict(governor, clock, on_rate=13.0, off_rate=10.0)
     band = governor.bands[0]
     assert (band.verdict, band.hold_s, band.hold_rounds) == (ON, 60.0, 3 * band.trial_rounds)
@@ -140,7 +140,7 @@ def test_a_verdict_holds_for_its_time_and_rounds_then_longer_when_it_repeats():
 
 def test_load_bands_decide_on_their_own():
     clock = Clock()
-    governor = AheadGovernor(clock=clock)
+    governor = DraftAheadTrial(clock=clock)
     run(governor, clock, 300, on_rate=13.0, off_rate=10.0, load=1)
     run(governor, clock, 600, on_rate=7.0, off_rate=10.0, load=20, sessions=20)  # a busy draft tier
     assert governor.mode(1) == ON and not governor.mode(20) == ON

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator.governor import PLAIN, SPECULATE, LoadGovernor, load_band
+import pytest
+
+from coordinator.load_governor import PLAIN, SPECULATE, LoadGovernor, load_band
 from coordinator.speculation import Speculation
 
 
