@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.config import CoordinatorConfig
-from specdec.errors import SpecdecError, Unavailable
+from specdec.errors import SpecdecError
 from specdec.metrics import Metrics, MetricsServer, serve_metrics
 from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.security import (ApiKeyInterceptor, CredentialsError, read_api_key, server_credentials,
                                   upstream_credentials)
 from specdec.rpc.server import build_aio_server
-from specdec.runtime.loader import ModelLoadError, load_tokenizer, tokenizer_fingerprint
+from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -25,7 +25,8 @@ from coordinator.discovery import DiscoveryError, from_config as discovery_from_
 from coordinator.engine import Engine
 from coordinator.routing import ReplicaPool, Routes
 from coordinator.servicer import CoordinatorServicer
-from coordinator.store import open_store
+from coordinator.stores import open_store
+from coordinator.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +138,8 @@ def open_routes(config: CoordinatorConfig, upstream: grpc.ChannelCredentials | N
     options = (config.rpc_timeout_s, config.max_message_bytes, upstream, config.upstream_server_name,
                config.rpc_transport)
     return Routes(discovery,
-                  ReplicaPool("draft", lambda address: DraftClient(address, *options), config.draft_retry_s),
-                  ReplicaPool("target", lambda address: TargetClient(address, *options)))
+                  ReplicaPool(Tier.DRAFT, lambda address: DraftClient(address, *options), config.draft_retry_s),
+                  ReplicaPool(Tier.TARGET, lambda address: TargetClient(address, *options)))
 
 
 def _unreachable(exc: SpecdecError, routes: Routes) -> StartupError:

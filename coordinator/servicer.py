@@ -2,35 +2,35 @@
 
 from __future__ import annotations
 
-from specdec.errors import NotFound
 from specdec.rpc.convert import sampling_from_pb
 from specdec.rpc.status import map_errors
+from specdec.types import Proposer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.engine import (
-    FINISH_CONTEXT, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Engine, GenerationRequest,
-)
+from coordinator.engine import Engine
+from coordinator.request import GenerationRequest
+from coordinator.rounds import FinishReason
 from coordinator.stats import GenerationStats
 
 FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FINISH_EOS: common_pb2.FINISH_REASON_EOS,
-    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FINISH_STOP: common_pb2.FINISH_REASON_STOP,
-    FINISH_CONTEXT: common_pb2.FINISH_REASON_CONTEXT_LENGTH,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.CONTEXT: common_pb2.FINISH_REASON_CONTEXT_LENGTH,
 }
 
 
 PROPOSER_FROM_PB = {
     coordinator_pb2.PROPOSER_UNSPECIFIED: None,
-    coordinator_pb2.PROPOSER_AUTO: "auto",
-    coordinator_pb2.PROPOSER_DRAFT: "draft",
-    coordinator_pb2.PROPOSER_NGRAM: "ngram",
-    coordinator_pb2.PROPOSER_NONE: "none",
+    coordinator_pb2.PROPOSER_AUTO: Proposer.AUTO,
+    coordinator_pb2.PROPOSER_DRAFT: Proposer.DRAFT,
+    coordinator_pb2.PROPOSER_NGRAM: Proposer.NGRAM,
+    coordinator_pb2.PROPOSER_NONE: Proposer.NONE,
 }
 
 
-def proposer_from_pb(value: int) -> str | None:
+def proposer_from_pb(value: int) -> Proposer | str | None:
     """The proposer's name; an unknown enum number stays visible for the engine to refuse."""
     return PROPOSER_FROM_PB.get(value, f"unknown enum value {value}")
 
@@ -84,7 +84,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     async def GetSession(self, request, context):
-        record = await self.engine.store.get(request.session_id)
+        record = await self.engine.get_session(request.session_id)
         return coordinator_pb2.GetSessionResponse(
             session_id=record.session_id, token_ids=record.token_ids, requests=record.requests,
             stats=stats_to_pb(GenerationStats.from_dict(record.stats)),
@@ -93,12 +93,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     async def DeleteSession(self, request, context):
-        try:
-            record = await self.engine.store.get(request.session_id)  # where its caches are
-        except NotFound:
-            record = None
-        deleted = await self.engine.store.delete(request.session_id)
-        self.engine.speculation.forget(request.session_id)
-        if record is not None:
-            await self.engine.routes.release(record)
+        deleted = await self.engine.delete_session(request.session_id)
         return coordinator_pb2.DeleteSessionResponse(deleted=deleted)

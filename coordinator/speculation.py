@@ -8,7 +8,7 @@ estimates per source), kept in a bounded LRU so a continued session keeps what i
 proposer indexing the session's history incrementally.
 
 A round: ``plan = spec.plan(history, cap, draft_available)``; an n-gram plan carries its
-tokens (the proposal distribution of each is one-hot: `one_hot_dists`); under `auto` a
+tokens (proposed with a one-hot q: proposers/prompt_lookup.py); under `auto` a
 draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
 forward and keeps where it agrees (so γ draft steps may propose more than γ tokens), and an
 adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
@@ -23,13 +23,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec.types import SparseDist
+from specdec.types import Proposer
 
 from coordinator.ngram import NgramProposer
-from coordinator.policy import (DRAFT, NGRAM, NONE, SOURCES, AcceptanceEstimate, CostModel, PolicyConfig,
-                                SessionPolicy)
+from coordinator.policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, SessionPolicy
 
-MODES = ("auto", DRAFT, NGRAM, NONE)
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
 PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
 PRIOR_WEIGHT = 3.0   # a new session starts from that α worth this many trials
@@ -44,8 +42,8 @@ class FixedCosts(CostModel):
         super().__init__()
         self.cost_ratio = cost_ratio
 
-    def relative_costs(self, source: str, max_gamma: int, load: int = 1) -> list[float]:
-        c = self.cost_ratio if source == DRAFT else 0.0
+    def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
+        c = self.cost_ratio if source == Proposer.DRAFT else 0.0
         return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
 
 
@@ -53,7 +51,7 @@ class FixedCosts(CostModel):
 class Plan:
     """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's (ngram only)."""
 
-    source: str                 # "draft" | "ngram" | "none"
+    source: Proposer            # DRAFT | NGRAM | NONE
     gamma: int                  # tokens to propose (draft: its steps; kept hints come on top)
     tokens: list[int] = field(default_factory=list)  # ngram: the proposal; draft: the hints
     reason: str = ""
@@ -62,27 +60,20 @@ class Plan:
     min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
 
 
-def is_governed(mode: str, fixed_gamma: int | None) -> bool:
+def is_governed(mode: Proposer, fixed_gamma: int | None) -> bool:
     """Whether a request is adaptive `auto` (neither source nor γ fixed): the load governor may
     switch it to plain decoding, and its draft rounds carry prompt lookup's hints."""
-    return mode == "auto" and fixed_gamma is None
-
-
-def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
-    """The proposal distribution of deterministic drafts: q(d) = 1. The acceptance step then
-    accepts d with probability p(d) and recovers from p with d removed: lossless."""
-    return [SparseDist.one_hot(token) for token in tokens]
+    return mode == Proposer.AUTO and fixed_gamma is None
 
 
 class RequestSpeculation:
     """One request's planner: its override, the session's policy and an n-gram index."""
 
-    def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: str,
-                 fixed_gamma: int | None, priors: dict[str, AcceptanceEstimate] | None = None,
+    def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: Proposer,
+                 fixed_gamma: int | None, priors: dict[Proposer, AcceptanceEstimate] | None = None,
                  draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
                  min_confidence: float = 0.0) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        mode = Proposer(mode)  # ValueError for anything else
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
         self.governed = is_governed(mode, fixed_gamma)
@@ -96,32 +87,39 @@ class RequestSpeculation:
     @property
     def uses_draft(self) -> bool:
         """Whether this request may call the draft model at all."""
-        return self.mode in ("auto", DRAFT) and self.fixed_gamma != 0
+        return self.mode in (Proposer.AUTO, Proposer.DRAFT) and self.fixed_gamma != 0
 
     def plan(self, history: Sequence[int], cap: int, draft_available: bool, allowed: bool = True) -> Plan:
         """The next round's source and γ (at most `cap`: tokens left, context room, limits).
         allowed=False: the coordinator measured that speculation does not pay under the current
         load (governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
         if not allowed and self.governed:
-            return Plan(NONE, 0, [], "load")
+            return Plan(Proposer.NONE, 0, [], "load")
         t0 = time.perf_counter()
         candidates: list[int] = []
-        if self.mode in ("auto", NGRAM) and cap > 0 and self.fixed_gamma != 0:
+        if self.mode in (Proposer.AUTO, Proposer.NGRAM) and cap > 0 and self.fixed_gamma != 0:
             candidates = self.ngram.propose(history, cap)
         self._order = self.ngram.last_order if candidates else 0
         choice = self.policy.choose(max_gamma=cap, ngram_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
                                     fixed_gamma=self.fixed_gamma, ngram_order=self._order, load=self.load)
-        if choice.source == NGRAM:
-            return Plan(NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
+        if choice.source == Proposer.NGRAM:
+            return Plan(Proposer.NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
                         time.perf_counter() - t0, choice.speedup)
-        if choice.source == DRAFT:
+        if choice.source == Proposer.DRAFT:
             hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
-            return Plan(DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
+            return Plan(Proposer.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
                         min_confidence=self.min_confidence)
         return Plan(choice.source, choice.gamma, [], choice.reason, speedup=choice.speedup)
 
-    def observe(self, source: str, proposed: int, accepted: int, *,
+    def describe(self, plan: Plan) -> str:
+        """A round's plan with the estimates behind it, for the debug log."""
+        alpha, ngram_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.ngram_alpha(self.ngram.last_order)
+        return (f"{plan.source} γ={plan.gamma} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
+                f"{_fmt(alpha)} ngram {_fmt(ngram_alpha)}; draft round of 4 costs "
+                f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load})")
+
+    def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
                 verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None) -> None:
         """After a round: `source` proposed `proposed` tokens (0 when it fell back to plain
@@ -132,14 +130,14 @@ class RequestSpeculation:
         The draft's α and step cost are about its own tokens: the kept hints are left out of
         both (its own tokens were tried only when the target accepted every kept hint)."""
         if proposed == 0:
-            source = NONE
+            source = Proposer.NONE
         own, own_accepted = proposed - hints_kept, accepted - hints_kept
         tried = own_accepted >= 0
-        order = self._order if source == NGRAM else 0
+        order = self._order if source == Proposer.NGRAM else 0
         self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
                             ngram_order=order, batch_tokens=batch_tokens)
-        if source == NGRAM:
+        if source == Proposer.NGRAM:
             self.ngram.observe(proposed, accepted)
         if source in self.priors and tried:
             self.priors[source].observe(own, own_accepted)
@@ -176,7 +174,7 @@ class Speculation:
         the coordinator-wide α of the sources that have one)."""
         policy = self._policies.get(session_id)
         if policy is None:
-            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs, self.priors[DRAFT])
+            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs, self.priors[Proposer.DRAFT])
             for source, prior in self.priors.items():
                 if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                     policy.seed(source, prior.alpha, PRIOR_WEIGHT)
@@ -191,7 +189,11 @@ class Speculation:
     def forget(self, session_id: str) -> None:
         self._policies.pop(session_id, None)
 
-    def start(self, session_id: str, mode: str, fixed_gamma: int | None) -> RequestSpeculation:
+    def start(self, session_id: str, mode: Proposer, fixed_gamma: int | None) -> RequestSpeculation:
         ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
         return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
                                   self.draft_hints, self.order_priors, self.min_confidence)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from specdec.types import Proposer
+
+from coordinator.tiers import Tier
 
 PER_REQUEST = frozenset({"gamma_per_round"})  # fields that describe one request, never summed
 
@@ -43,13 +46,21 @@ class GenerationStats:
     def tokens_per_round(self) -> float:
         return self.generated_tokens / self.rounds if self.rounds else 0.0
 
-    def record_round(self, gamma: int, accepted: int, source: str = "draft", hints_kept: int = 0) -> None:
-        """One round: γ tokens proposed by `source` ("draft", "ngram"; "none" when γ is 0), the
-        first `hints_kept` of a draft round being prompt-lookup hints the draft model kept."""
+    def add_prefill(self, tier: Tier, tokens: int) -> None:
+        """`tokens` the tier's replica had to prefill (a request's first call, or a resend)."""
+        if tier == Tier.DRAFT:
+            self.draft_prefill_tokens += tokens
+        else:
+            self.target_prefill_tokens += tokens
+
+    def record_round(self, gamma: int, accepted: int, source: Proposer = Proposer.DRAFT,
+                     hints_kept: int = 0) -> None:
+        """One round: γ tokens proposed by `source` (DRAFT, NGRAM; NONE when γ is 0), the first
+        `hints_kept` of a draft round being prompt-lookup hints the draft model kept."""
         self.rounds += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
-        if gamma and source == "ngram":
+        if gamma and source == Proposer.NGRAM:
             self.ngram_rounds += 1
             self.ngram_draft_tokens += gamma
             self.ngram_accepted_tokens += accepted

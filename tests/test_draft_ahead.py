@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.ahead import AheadGovernor
+from coordinator.draft_ahead_trial import DraftAheadTrial
 from specdec.runtime.loader import load_model
 from specdec.sampling import target_probs
 from specdec.types import SamplingParams
@@ -76,7 +76,7 @@ def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
     target = small_vocab_models["target"]
     coordinator = {**AHEAD, "draft_ahead": "auto", "max_num_speculative_tokens": 4}  # many rounds
     with Cluster(target, target, coordinator=coordinator) as cluster:
-        cluster.coordinator.engine.ahead = AheadGovernor(epoch_rounds=2, min_pairs=10**6, max_pairs=10**6)
+        cluster.coordinator.engine.draft_model.trial = DraftAheadTrial(epoch_rounds=2, min_pairs=10**6, max_pairs=10**6)
         calls = rounds = 0
         for ids in IDS_PROMPTS:
             response = cluster.complete(token_ids=ids, max_new_tokens=40, ignore_eos=True,
@@ -96,11 +96,11 @@ def test_auto_leaves_reproducible_rounds_alone(small_vocab_models, pinned, field
     a seeded request's draws) reproducible: no call is made ahead, nothing is measured."""
     target = small_vocab_models["target"]
     with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": "auto", **pinned}) as cluster:
-        cluster.coordinator.engine.ahead = AheadGovernor(epoch_rounds=1, min_pairs=10**6, max_pairs=10**6)
+        cluster.coordinator.engine.draft_model.trial = DraftAheadTrial(epoch_rounds=1, min_pairs=10**6, max_pairs=10**6)
         response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
                                     proposer=proposer("draft"), **fields)
         assert response.stats.draft_rounds > 2 and response.stats.draft_ahead_calls == 0
-        assert not cluster.coordinator.engine.ahead.bands
+        assert not cluster.coordinator.engine.draft_model.trial.bands
 
 
 def next_token_table(target_dir: str, params: SamplingParams, prompt: list[int]) -> np.ndarray:

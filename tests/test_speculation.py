@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.speculation import FixedCosts, Speculation, one_hot_dists
+from coordinator.proposers.prompt_lookup import one_hot_dists
+from coordinator.speculation import FixedCosts, Speculation
 from specdec.types import SparseDist
 
 HISTORY = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # the suffix 5 6 7 occurred before, followed by 8 1 2

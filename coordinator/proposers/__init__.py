@@ -1,0 +1,1 @@
+"""Proposal sources: one module per source behind one interface (`base.ProposalSource`)."""

@@ -1,0 +1,120 @@
+"""A Generate request as a domain object: its fields, their limits, and its input as tokens.
+
+Everything here runs before anything is committed: a request that breaks a limit is refused
+with INVALID_ARGUMENT and a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.config import CoordinatorConfig
+from specdec.errors import InvalidArgument
+from specdec.types import Proposer, SamplingParams
+
+from coordinator.chat import render_messages
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A Generate call. Exactly one input (or none when continuing a session)."""
+
+    session_id: str = ""                             # "" = a new session
+    prompt: str | None = None                        # text, tokenized here
+    token_ids: tuple[int, ...] | None = None         # the input as token ids
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content), through the chat template
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None                          # None = a random seed
+    max_new_tokens: int | None = None                # None = --default-max-new-tokens
+    num_speculative_tokens: int | None = None        # a fixed γ; None = adaptive
+    stop: tuple[str, ...] = ()                       # stop strings (excluded from the output)
+    ignore_eos: bool = False                         # keep going past end-of-sequence
+    proposer: Proposer | str | None = None           # None = the coordinator's default
+
+
+@dataclass(frozen=True)
+class SpeculationMode:
+    """A request's speculation override: the proposer and a fixed γ (None = adaptive)."""
+
+    proposer: Proposer
+    fixed_gamma: int | None
+
+
+def request_limits(request: GenerationRequest, config: CoordinatorConfig,
+                   max_gamma: int) -> tuple[int, SpeculationMode]:
+    """(max_new_tokens, proposer and fixed γ) after defaults, validated."""
+    request.params.validate()
+    max_new = request.max_new_tokens
+    if max_new is None:
+        max_new = config.default_max_new_tokens
+    if not 1 <= max_new <= config.max_new_tokens_limit:
+        raise InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
+    gamma = request.num_speculative_tokens  # None: adaptive
+    if gamma is not None and not 0 <= gamma <= max_gamma:
+        raise InvalidArgument(
+            f"num_speculative_tokens must be in [0, {max_gamma}] (0 disables speculation; "
+            f"leave it unset for adaptive γ), got {gamma}")
+    name = request.proposer or config.default_proposer
+    if name not in tuple(Proposer):
+        raise InvalidArgument(
+            f"proposer must be one of {', '.join(Proposer)} (PROPOSER_AUTO, PROPOSER_DRAFT, "
+            f"PROPOSER_NGRAM, PROPOSER_NONE), got {name!r}")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+    return max_new, SpeculationMode(Proposer(name), gamma)
+
+
+@dataclass(frozen=True)
+class InputEncoder:
+    """A request's input as token ids both models can take, within the context's room."""
+
+    tokenizer: Any          # the coordinator's tokenizer (the target's)
+    vocab_limit: int        # ids below this are ones both models can take
+    max_prompt_tokens: int  # the longest input one request may add
+    context_length: int     # the target's context, in tokens
+
+    def encode(self, request: GenerationRequest, continuing: bool) -> list[int]:
+        """The request's input as token ids (possibly empty when continuing)."""
+        if request.prompt is not None:
+            if not request.prompt and not continuing:
+                raise InvalidArgument("prompt is empty: give some text, token_ids or messages")
+            return list(self.tokenizer(request.prompt, add_special_tokens=not continuing)["input_ids"])
+        if request.messages is not None:
+            return render_messages(self.tokenizer, request.messages, continuing)
+        if request.token_ids is not None:
+            ids = list(request.token_ids)
+            if not ids and not continuing:
+                raise InvalidArgument("token_ids is empty: give at least one token")
+            return ids
+        if not continuing:
+            raise InvalidArgument("no input: set prompt, token_ids or messages")
+        return []
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        """Every input id must be one both models can take (a text prompt can encode to an added
+        token past a model's embedding): refused before anything is committed."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_limit]
+        if bad:
+            raise InvalidArgument(f"the input holds token ids outside the vocabulary both models share "
+                                  f"[0, {self.vocab_limit}): {bad[:5]}")
+        return ids
+
+    def check_length(self, committed: int, added: int) -> None:
+        """A session of `committed` tokens may take `added` more."""
+        if added > self.max_prompt_tokens:
+            raise InvalidArgument(
+                f"prompt is {added} tokens; the limit is {self.max_prompt_tokens} "
+                f"(model context {self.context_length})")
+        if committed + added >= self.context_length:
+            raise InvalidArgument(
+                f"session holds {committed} tokens; adding {added} leaves no room in the model "
+                f"context of {self.context_length} tokens: start a new session")
+
+    def input_ids(self, request: GenerationRequest, committed: int) -> list[int]:
+        """The request's checked input for a session holding `committed` tokens."""
+        added = self.check_ids(self.encode(request, continuing=committed > 0))
+        self.check_length(committed, len(added))
+        return added

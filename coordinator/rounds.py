@@ -1,0 +1,108 @@
+"""What a request and its rounds carry: the request's running state, one round as planned, the
+drafts a source proposed for it, what it produced, and the chunks streamed to the client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from specdec.fingerprint import PrefixHashes
+from specdec.rng import RequestRng
+from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, Verdict
+
+from coordinator.speculation import Plan, RequestSpeculation
+from coordinator.stats import GenerationStats
+from coordinator.store import SessionRecord
+from coordinator.tiers import Tier
+
+NO_PROPOSAL = Proposal([], [])
+
+
+class FinishReason(StrEnum):
+    EOS = "eos"                  # the target emitted an end-of-sequence token
+    LENGTH = "length"            # max_new_tokens reached
+    STOP = "stop"                # a stop string appeared (it is not streamed)
+    CONTEXT = "context_length"   # the model context is full
+
+
+@dataclass(frozen=True)
+class Predrafted:
+    """Drafts a call made ahead proposed for the round that starts with `base` committed tokens."""
+
+    base: int           # committed tokens the round they are for starts with
+    proposal: Proposal  # the drafts and the q each was drawn from
+
+
+@dataclass
+class RequestRun:
+    """State of one request while it runs."""
+
+    record: SessionRecord  # the session as this request has it (committed tokens, placements)
+    stats: GenerationStats  # this request's counters
+    hashes: PrefixHashes = field(default_factory=PrefixHashes)  # fingerprints of record.token_ids' prefixes
+    calls: dict[Tier, int] = field(default_factory=lambda: {tier: 0 for tier in Tier})  # answered calls per tier
+    predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.record.token_ids.extend(tokens)
+        self.hashes.extend(tokens)
+
+
+@dataclass
+class Round:
+    """One round as planned: what the sources and the verification work from."""
+
+    run: RequestRun
+    spec: RequestSpeculation  # the request's planner and policy
+    plan: Plan                # the source and γ chosen for this round
+    base: int                 # committed tokens when the round began
+    cap: int                  # the most tokens it may propose
+    params: SamplingParams
+    rng: RequestRng
+    draft_seed: int           # this round's seed for the draft's draws
+    target_seed: int          # ... and for the target's
+    draft_up: bool            # a draft replica was usable when it was planned
+    allowed: bool             # the load governor lets adaptive requests speculate now
+    started: float            # time.perf_counter() when it began
+    ahead: DraftAhead | None = None  # a draft round's --draft-ahead mode (None: not the trial's)
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """What a source proposed for a round."""
+
+    proposal: Proposal = NO_PROPOSAL       # the tokens and the q each was drawn from
+    source: Proposer = Proposer.NONE        # who proposed them: NONE when there are none
+    propose_seconds: float | None = None    # what proposing took, where it prices the source
+    #                                         (None: not a plain round, e.g. a catch-up prefill)
+    call_seconds: float | None = None       # the draft call on the round's critical path (None: none)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one round did, for the commit, the stats, the policy and the metrics."""
+
+    plan: Plan
+    verdict: Verdict
+    drafts: list[int]                  # the proposed tokens the target verified
+    source: Proposer                   # who proposed them: NONE when nobody did (or the draft failed)
+    propose_seconds: float | None      # what proposing took, where it prices the source
+    call_seconds: float | None         # the draft call on the round's critical path (None: none)
+    verify_seconds: float              # the Verify call
+    verified_tokens: int               # tokens the Verify forward took (0 when it was not a plain round)
+    started: float                     # time.perf_counter() when the round began
+    hints_kept: int = 0                # leading drafts that are prompt-lookup hints the draft model kept
+    batch_tokens: int = 0              # tokens verified across this coordinator's generations meanwhile
+    ahead: DraftAhead | None = None    # a draft round's --draft-ahead mode (None: not the trial's)
+    seconds: float = 0.0               # the round's own time: plan, propose, verify (not the store write)
+
+
+@dataclass
+class Chunk:
+    """One streamed piece: new text and tokens; the last one has finish_reason and stats."""
+
+    session_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stats: GenerationStats | None = None
