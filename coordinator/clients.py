@@ -15,11 +15,11 @@ from specdec.rpc.security import name_override_options
 from specdec.rpc.server import channel_options
 from specdec.rpc.status import from_rpc_error
 from specdec.rpc.streaming import CallStream, StreamUnsupported
-from specdec.types import ModelDescription, Proposal, SamplingParams, SparseDist, Verdict
+from specdec.types import ModelDescription, Proposal, RpcTransport, SamplingParams, SparseDist, Verdict
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
-TRANSPORTS = ("stream", "unary")
+TRANSPORTS = tuple(RpcTransport)
 
 
 class ServiceClient:
@@ -31,7 +31,7 @@ class ServiceClient:
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
-                 transport: str = "stream"):
+                 transport: str = RpcTransport.STREAM):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.address = address
@@ -53,7 +53,7 @@ class ServiceClient:
 
     def _call_stream(self, open_stream, request_type: type) -> CallStream | None:
         """The call stream of one method (None with the unary transport)."""
-        if self.transport != "stream":
+        if self.transport != RpcTransport.STREAM:
             return None
         stream = CallStream(open_stream, request_type, self.channel, self.name)
         self._streams.append(stream)
@@ -87,7 +87,7 @@ class DraftClient(ServiceClient):
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
-                 transport: str = "stream"):
+                 transport: str = RpcTransport.STREAM):
         super().__init__(address, timeout_s, max_message_bytes, credentials, server_name, transport)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.propose_stream = self._call_stream(lambda: self.stub.ProposeStream(wait_for_ready=False),
@@ -125,7 +125,7 @@ class TargetClient(ServiceClient):
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
-                 transport: str = "stream"):
+                 transport: str = RpcTransport.STREAM):
         super().__init__(address, timeout_s, max_message_bytes, credentials, server_name, transport)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.verify_stream = self._call_stream(lambda: self.stub.VerifyStream(wait_for_ready=False),

@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+from specdec.types import DiscoveryKind
+
 from coordinator.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -236,10 +238,10 @@ def _client_configuration(kubeconfig: str | None) -> tuple[Any, str]:
 
 def from_config(config: Any) -> Discovery:
     """The discovery that CoordinatorConfig asks for (DiscoveryError when it is incomplete)."""
-    if config.discovery == "static":
+    if config.discovery == DiscoveryKind.STATIC:
         return StaticDiscovery({Tier.DRAFT: parse_addresses(config.draft, "--draft"),
                                 Tier.TARGET: parse_addresses(config.target, "--target")})
-    if config.discovery == "kubernetes":
+    if config.discovery == DiscoveryKind.KUBERNETES:
         missing = [flag for flag, value in (("--draft-service", config.draft_service),
                                             ("--target-service", config.target_service)) if not value]
         if missing:

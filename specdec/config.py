@@ -11,13 +11,19 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Mapping, TypeVar
 
-from specdec.types import DraftAhead, Proposer
+from specdec.types import DiscoveryKind, DraftAhead, Proposer, Quantization, RpcTransport
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 C = TypeVar("C")
+
+
+def choices_of(names: type[StrEnum]) -> tuple[str, ...]:
+    """A setting's choices, as the flag and the environment spell them."""
+    return tuple(member.value for member in names)
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -68,7 +74,7 @@ class DraftConfig(ModelServiceConfig):
     quantize: str = opt("auto", "weights of the draft's linear layers: int8 (weight-only int8, CPU "
                         "only: shorter draft steps; its proposals change a little, the output does "
                         "not), none, or auto (int8 on a CPU in bfloat16/float16/float32, else none)",
-                        ("auto", "none", "int8"))
+                        choices_of(Quantization))
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class CoordinatorConfig(ServerTlsConfig):
     draft: str = opt("127.0.0.1:50052", "draft replicas: host:port, comma-separated (static discovery)")
     target: str = opt("127.0.0.1:50053", "target replicas: host:port, comma-separated (static discovery)")
     discovery: str = opt("static", "how replicas are found: the --draft/--target lists, or the "
-                         "EndpointSlices of --draft-service/--target-service", ("static", "kubernetes"))
+                         "EndpointSlices of --draft-service/--target-service", choices_of(DiscoveryKind))
     draft_service: str = opt("", "Kubernetes Service of the draft replicas (--discovery kubernetes)")
     target_service: str = opt("", "Kubernetes Service of the target replicas (--discovery kubernetes)")
     namespace: str = opt("", "namespace of those Services (default: the coordinator's own, else the "
@@ -115,7 +121,7 @@ class CoordinatorConfig(ServerTlsConfig):
                                           "picks")
     default_proposer: str = opt("auto", "proposal source when a request leaves proposer unset: auto "
                                 "(per round, prompt lookup or the draft model or none, whichever pays "
-                                "most), draft, ngram (prompt lookup only) or none", tuple(p.value for p in Proposer))
+                                "most), draft, ngram (prompt lookup only) or none", choices_of(Proposer))
     ngram_max: int = opt(3, "longest n-gram prompt lookup matches against the session's history "
                          "(it tries n = this .. 1)")
     ngram_max_tokens: int = opt(16, "most tokens one prompt lookup proposes")
@@ -137,7 +143,7 @@ class CoordinatorConfig(ServerTlsConfig):
                            "cores: auto measures which (short alternating epochs with and without, per "
                            "load band, the winner held for 10 minutes and 10x the trial's rounds, and longer), on "
                            "and off fix it",
-                           tuple(d.value for d in DraftAhead))
+                           choices_of(DraftAhead))
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")
@@ -145,7 +151,7 @@ class CoordinatorConfig(ServerTlsConfig):
     rpc_transport: str = opt("stream", "how Propose and Verify travel: stream (multiplexed on one "
                              "long-lived gRPC stream per replica: less per-call overhead; a replica "
                              "without it gets unary calls) or unary (one gRPC call each)",
-                             ("stream", "unary"))
+                             choices_of(RpcTransport))
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent")
     upstream_ca_file: str = opt("", "PEM CA that signed the draft's and target's certificates; "
                                 "turns on TLS to them (default: plaintext)")

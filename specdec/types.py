@@ -31,6 +31,28 @@ class DraftAhead(StrEnum):
     OFF = "off"
 
 
+class Quantization(StrEnum):
+    """The draft's linear layers (--quantize)."""
+
+    AUTO = "auto"  # INT8 on a CPU in a 16- or 32-bit float dtype, else NONE
+    NONE = "none"  # as the checkpoint's dtype
+    INT8 = "int8"  # weight-only int8 (CPU only)
+
+
+class RpcTransport(StrEnum):
+    """How the coordinator's Propose and Verify calls travel (--rpc-transport)."""
+
+    STREAM = "stream"  # multiplexed on one long-lived call stream per replica
+    UNARY = "unary"    # one gRPC call each
+
+
+class DiscoveryKind(StrEnum):
+    """How the coordinator finds its replicas (--discovery)."""
+
+    STATIC = "static"          # the --draft / --target address lists
+    KUBERNETES = "kubernetes"  # the EndpointSlices of --draft-service / --target-service
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """A request's sampling warp. temperature 0 (or below 1e-5) means greedy (argmax).

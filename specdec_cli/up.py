@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from specdec.config import DTYPES
+from specdec.config import DTYPES, choices_of
+from specdec.types import Quantization
 
 from specdec_cli import generate
 from specdec_cli.env import DEFAULT_PORT, env_default
@@ -28,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--device", default=env_default("up", "device", "cpu"),
                     help="torch device of both models (env SPECDEC_UP_DEVICE)")
     up.add_argument("--draft-quantize", default=env_default("up", "draft_quantize", "auto"),
-                    choices=("auto", "none", "int8"),
+                    choices=choices_of(Quantization),
                     help="the draft's linear layers in weight-only int8: faster draft steps on a CPU, "
                          "same output; auto = int8 on a CPU unless float64 (env SPECDEC_UP_DRAFT_QUANTIZE)")
     up.add_argument("--port", type=int, default=env_default("up", "port", DEFAULT_PORT),

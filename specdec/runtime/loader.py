@@ -11,6 +11,7 @@ import torch
 # the tokenizer half lives in specdec.tokenizer (no torch); tokenizer_fingerprint stays
 # importable from here for the importers not yet moved there
 from specdec.tokenizer import ModelLoadError, load_tokenizer, model_source, tokenizer_fingerprint  # noqa: F401
+from specdec.types import Quantization
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class LoadedModel:
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
-               trust_remote_code: bool = False, quantize: str = "none") -> LoadedModel:
+               trust_remote_code: bool = False, quantize: str = Quantization.NONE) -> LoadedModel:
     """Load model + tokenizer through transformers' Auto classes.
 
     quantize "int8": weight-only int8 linear layers (specdec/runtime/quantize.py), CPU only;
@@ -50,7 +51,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         quantize = resolve_quantization(quantize, device, dtype)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    if quantize == "int8" and dtype == "float64":
+    if quantize == Quantization.INT8 and dtype == "float64":
         log.info("--quantize int8: %s runs in float32 (the int8 kernel takes no float64)", spec)
         dtype = "float32"
     source, extra = model_source(spec)
@@ -64,9 +65,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     target_device = torch.device(device)
     model = model.to(device=target_device, dtype=torch_dtype).eval()
-    if quantize == "int8":
+    if quantize == Quantization.INT8:
         model = quantize_int8(model)
-    log.info("loaded %s (%s%s on %s)", spec, dtype, ", int8 linears" if quantize == "int8" else "", target_device)
+    log.info("loaded %s (%s%s on %s)", spec, dtype, ", int8 linears" if quantize == Quantization.INT8 else "", target_device)
     return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("auto", "none", "int8")
+from specdec.types import Quantization
+
+QUANTIZATIONS = tuple(Quantization)
 INT8_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations the kernel takes
 INT8_DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
@@ -32,11 +34,11 @@ def resolve_quantization(quantize: str, device: str, dtype: str) -> str:
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZATIONS)}")
     on_cpu = torch.device(device).type == "cpu"
-    if quantize == "auto":
-        return "int8" if on_cpu and dtype in INT8_DTYPE_NAMES else "none"
-    if quantize == "int8" and not on_cpu:
+    if quantize == Quantization.AUTO:
+        return Quantization.INT8 if on_cpu and dtype in INT8_DTYPE_NAMES else Quantization.NONE
+    if quantize == Quantization.INT8 and not on_cpu:
         raise ValueError(f"--quantize int8 runs on CPU only (its kernel is a CPU one); got device {device!r}")
-    return quantize
+    return Quantization(quantize)
 
 
 class Int8Linear(nn.Module):

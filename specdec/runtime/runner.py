@@ -23,7 +23,7 @@ from specdec.runtime import batch_cache
 from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches, common_prefix
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
 from specdec.tokenizer import tokenizer_fingerprint
-from specdec.types import ModelDescription
+from specdec.types import ModelDescription, Quantization
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,6 @@ def runner_from_config(config) -> ModelRunner:
     from specdec.runtime.loader import load_model
 
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
-                        getattr(config, "quantize", "none"))
+                        getattr(config, "quantize", Quantization.NONE))
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
     return ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
