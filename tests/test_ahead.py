@@ -8,6 +8,8 @@ import pytest
 
 from coordinator.ahead import OFF, ON, PATTERN, AheadGovernor
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

@@ -7,6 +7,8 @@ import pytest
 
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 

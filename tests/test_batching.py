@@ -64,6 +64,7 @@ def _conversation(cluster: Cluster, request: dict, delay_s: float) -> list[list[
     return [list(first.token_ids), list(second.token_ids)]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch, sampled", [("llama", False), ("llama", True), ("gpt2", False), ("gpt2", True)])
 def test_concurrent_sessions_equal_one_at_a_time(models, arch, sampled):
     paths = models[arch]
@@ -148,6 +149,7 @@ def _verify_requests(prefix: str, histories: list[list[int]], model, rng: random
     return requests
 
 
+@pytest.mark.service
 def test_one_verify_batch_equals_each_call_alone(target):
     stub, servicer = target
     rng = random.Random(3)
@@ -179,6 +181,7 @@ def test_one_verify_batch_equals_each_call_alone(target):
     assert len({o[1].num_accepted for o in outcomes[:-1]}) > 2, "rollbacks of one length only: a weak test"
 
 
+@pytest.mark.service
 def test_one_propose_batch_equals_each_call_alone(draft):
     stub, servicer = draft
     rng = random.Random(5)
@@ -209,6 +212,7 @@ def test_one_propose_batch_equals_each_call_alone(draft):
         assert got == stub.Propose(request), request.session_id
 
 
+@pytest.mark.service
 def test_queued_calls_hold_their_place_in_the_bounded_queue(models):
     config = DraftConfig(model=models["llama"]["draft"], dtype="float64", port=_free_port(), max_queue=3)
     server, port, servicer = draft_server.start(config)
@@ -247,6 +251,7 @@ def runners(models):
     return buffered, fallback
 
 
+@pytest.mark.unit
 def test_batched_buffers_match_the_dynamic_cache_with_rollbacks(runners):
     buffered, fallback = runners
     rng = random.Random(9)
@@ -279,6 +284,7 @@ def test_batched_buffers_match_the_dynamic_cache_with_rollbacks(runners):
     assert len(caches) == 2 and caches.total_bytes() == sum(e.nbytes() for e in caches._entries.values())
 
 
+@pytest.mark.unit
 def test_buffer_growth_keeps_memory_near_the_kv_size(runners):
     buffered, _ = runners
     spec = buffered.kv_spec
@@ -295,6 +301,7 @@ def test_buffer_growth_keeps_memory_near_the_kv_size(runners):
     assert buffer.nbytes() == buffer.capacity * spec.bytes_per_token
 
 
+@pytest.mark.unit
 def test_sliding_window_models_fall_back_to_the_dynamic_cache(tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 
@@ -319,6 +326,7 @@ def test_sliding_window_models_fall_back_to_the_dynamic_cache(tmp_path, caplog):
     assert len(runner.caches.get("b")) == 12
 
 
+@pytest.mark.unit
 def test_start_up_check_catches_a_model_that_batches_wrongly(runners):
     buffered, _ = runners
     assert buffered._batches_agree()

@@ -4,7 +4,11 @@ floor target accepts every draft: γ + 1 tokens a round)."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench import transport_floor
+
+pytestmark = pytest.mark.process
 
 
 def test_the_floor_counts_each_round_once_and_times_every_process():

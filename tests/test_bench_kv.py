@@ -8,6 +8,8 @@ import pytest
 from bench.kv_memory import kv_geometry, measure_model, theoretical_bytes_per_token
 from specdec import tiny
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

@@ -24,12 +24,14 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+@pytest.mark.unit
 def test_first_turn_renders_the_template_as_is(qwen_tokenizer):
     ids = render_messages(qwen_tokenizer, [("user", "Hello there")], continuing=False)
     assert ids == _ids(qwen_tokenizer, f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n"
                                        "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.unit
 def test_continuation_renders_only_the_new_messages(qwen_tokenizer):
     assert render_messages(qwen_tokenizer, [("user", "And now?")], continuing=True) == _ids(qwen_tokenizer, TURN_2)
     # a system message later in a conversation is rendered as one, not as the conversation start
@@ -37,12 +39,14 @@ def test_continuation_renders_only_the_new_messages(qwen_tokenizer):
     assert ids == _ids(qwen_tokenizer, "<|im_start|>system\nBe brief.<|im_end|>\n" + TURN_2)
 
 
+@pytest.mark.unit
 def test_continuation_with_a_template_without_default_system_prompt():
     tokenizer = tiny.byte_level_tokenizer()
     messages = [("user", "hi")]
     assert render_messages(tokenizer, messages, continuing=True) == render_messages(tokenizer, messages, False)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("template, says", [
     # the conversation start depends on the number of messages: the sentinel is no prefix
     ("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length }}", "renders a conversation's"),
@@ -58,6 +62,7 @@ def test_continuation_that_the_template_cannot_split_is_invalid_argument(templat
     assert says in str(info.value) and "start a new session" in str(info.value)
 
 
+@pytest.mark.unit
 def test_template_errors_are_invalid_argument():
     tokenizer = tiny.byte_level_tokenizer()
     tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
@@ -72,6 +77,7 @@ def qwen_models(tmp_path_factory, qwen_tokenizer):
             str(tiny.build_model(root / "target", qwen_tokenizer, "llama", seed=32)))
 
 
+@pytest.mark.e2e
 def test_second_turn_of_a_chat_session_has_no_second_system_prompt(qwen_models, qwen_tokenizer):
     with Cluster(*qwen_models) as cluster:
         first = cluster.complete(messages=[("user", "Hello there")], max_new_tokens=5, ignore_eos=True)

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 
 def run_cli(*args, timeout=180, env=None):
     return subprocess.run([sys.executable, "-m", "specdec_cli", *args], capture_output=True, text=True,

@@ -54,6 +54,7 @@ def _startup_error(draft: str, target: str) -> str:
         cluster.loop.close()
 
 
+@pytest.mark.unit
 def test_the_mismatch_is_real(mixed_pair):
     """Same files, different tokenizer classes: the full vocabularies differ by one entry."""
     draft, target, tokenizer = mixed_pair
@@ -65,6 +66,7 @@ def test_the_mismatch_is_real(mixed_pair):
     assert tokenizer_fingerprint(draft_tok, 384) == tokenizer_fingerprint(target_tok, 384)
 
 
+@pytest.mark.e2e
 def test_mixed_architectures_with_one_tokenizer_are_accepted_and_exact(mixed_pair):
     draft, target, _ = mixed_pair
     expected = reference(target, PROMPTS, NEW_TOKENS)
@@ -104,6 +106,7 @@ def _permuted(tokenizer, a: int, b: int):
                                    eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token)
 
 
+@pytest.mark.service
 def test_permuted_vocabulary_is_refused(mixed_pair, tmp_path):
     _, target, tokenizer = mixed_pair
     permuted = _permuted(tokenizer, 200, 201)
@@ -115,6 +118,7 @@ def test_permuted_vocabulary_is_refused(mixed_pair, tmp_path):
     assert "384 tokens" in message and "385 tokens" in message
 
 
+@pytest.mark.service
 def test_eos_disagreement_is_refused(mixed_pair, tmp_path):
     _, target, tokenizer = mixed_pair
     draft = tiny.build_model(tmp_path / "other-eos", tokenizer, "gpt2", seed=34, layers=1)

@@ -10,6 +10,8 @@ import pytest
 from specdec.config import CoordinatorConfig, DraftConfig, add_arguments, from_sources
 from specdec_cli.main import build_parser
 
+pytestmark = pytest.mark.unit
+
 
 def parse(cls, prefix, argv, env):
     parser = argparse.ArgumentParser()

@@ -11,6 +11,8 @@ from specdec.runtime.loader import load_model
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.e2e
+
 EOS_PROMPT = [9, 9, 1]  # this target's first greedy token here is EOS (id 0)
 STOP_PROMPT = [3, 7, 5]  # ... and here "w9"
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
 from specdec import tiny
+
+pytestmark = pytest.mark.unit
 
 TEXT = "Le café est très chaud 🚀🙂 日本語のテキスト end"
 

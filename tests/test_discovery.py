@@ -21,6 +21,7 @@ from tests.procs import Coordinator
 NS = "specdec"
 
 
+@pytest.mark.unit
 def test_static_lists():
     assert parse_addresses("a:1", "--draft") == {"a:1"}
     assert parse_addresses(" a:1, b:2 ,,a:1", "--draft") == {"a:1", "b:2"}
@@ -32,6 +33,7 @@ def test_static_lists():
         from_config(CoordinatorConfig(discovery="kubernetes"))
 
 
+@pytest.mark.unit
 def test_ready_endpoints_only():
     slices = [
         {"addressType": "IPv4", "endpoints": [
@@ -73,6 +75,7 @@ def api():
     fake.stop()
 
 
+@pytest.mark.service
 def test_kubernetes_endpointslices_list_watch_relist(api, tmp_path):
     api.put(NS, "draft-a", "draft-svc", [("10.0.0.1", True), ("10.0.0.2", True)])
     api.put(NS, "target-a", "target-svc", [("10.0.1.1", None)])
@@ -114,6 +117,7 @@ def test_kubernetes_endpointslices_list_watch_relist(api, tmp_path):
     assert not any(t.is_alive() for t in discovery._threads)
 
 
+@pytest.mark.e2e
 def test_coordinator_follows_kubernetes_endpoints(api, tmp_path, models, monkeypatch):
     """A coordinator with --discovery kubernetes: uses the ready pods, refuses a target pod that
     joins with another tokenizer, loses the target tier when its only good pod turns not-ready

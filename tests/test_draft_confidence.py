@@ -48,6 +48,7 @@ def draft(small_vocab_models):
     return ModelProposer(runner, 32)
 
 
+@pytest.mark.unit
 def test_greedy_stops_right_after_the_first_unsure_token(draft, small_vocab_models):
     greedy = SamplingParams(temperature=0.0)
     stops = set()
@@ -68,6 +69,7 @@ def test_greedy_stops_right_after_the_first_unsure_token(draft, small_vocab_mode
     assert len(stops) > 1  # the stop moved with the threshold
 
 
+@pytest.mark.unit
 def test_calls_in_one_batch_stop_each_on_their_own(draft):
     """A batch of calls: one stops at its first token, the others run their γ."""
     greedy = SamplingParams(temperature=0.0)
@@ -81,6 +83,7 @@ def test_calls_in_one_batch_stop_each_on_their_own(draft):
         draft.release(name)
 
 
+@pytest.mark.service
 def test_sampled_stops_after_a_draw_below_the_threshold_and_keeps_q(draft):
     params, threshold, samples = SamplingParams(temperature=1.0), 0.2, 1200
     prompt = [3, 7, 5, 3]
@@ -115,6 +118,7 @@ def test_sampled_stops_after_a_draw_below_the_threshold_and_keeps_q(draft):
     assert chi2_pvalue(counts[expected > 0], expected[expected > 0]) > 1e-3
 
 
+@pytest.mark.e2e
 def test_bad_min_confidence_is_invalid_argument(llama_cluster):
     with grpc.insecure_channel(f"127.0.0.1:{llama_cluster.draft_port}") as channel:
         stub = draft_pb2_grpc.DraftServiceStub(channel)
@@ -126,6 +130,7 @@ def test_bad_min_confidence_is_invalid_argument(llama_cluster):
             assert "min_confidence" in err.value.details()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("threshold", [0.0, 0.999999], ids=["off", "on"])
 def test_adaptive_rounds_stop_early_and_stay_greedy_exact(small_vocab_models, threshold):
     """Adaptive γ with a threshold no token of the tiny draft reaches: every draft round ends

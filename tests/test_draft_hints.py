@@ -34,6 +34,7 @@ def propose(draft, session: str, gamma: int, hints=(), prefix: list[int] | None 
         new_tokens=new_tokens, num_speculative_tokens=gamma, sampling=GREEDY, seed=1, hint_tokens=list(hints)))
 
 
+@pytest.mark.e2e
 def test_greedy_hints_are_kept_while_they_are_the_drafts_own_tokens(llama_cluster):
     with grpc.insecure_channel(f"127.0.0.1:{llama_cluster.draft_port}") as channel:
         draft = draft_pb2_grpc.DraftServiceStub(channel)
@@ -60,6 +61,7 @@ def test_greedy_hints_are_kept_while_they_are_the_drafts_own_tokens(llama_cluste
             assert list(again.draft_tokens) == list(plain.draft_tokens) == own[accepted + 1:accepted + 3]
 
 
+@pytest.mark.e2e
 def test_bad_hints_are_invalid_argument(llama_cluster):
     with grpc.insecure_channel(f"127.0.0.1:{llama_cluster.draft_port}") as channel:
         draft = draft_pb2_grpc.DraftServiceStub(channel)
@@ -73,6 +75,7 @@ def test_bad_hints_are_invalid_argument(llama_cluster):
         assert "num_speculative_tokens + hint_tokens" in err.value.details()
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
                          ids=["t1.0", "t0.7-topk5"])
 def test_sampled_hint_positions_are_draws_from_the_reported_q(small_vocab_models, params):
@@ -102,6 +105,7 @@ def test_sampled_hint_positions_are_draws_from_the_reported_q(small_vocab_models
     assert 0 < kept < samples
 
 
+@pytest.mark.e2e
 def test_auto_with_hints_is_greedy_exact(small_vocab_models):
     """On 12 words greedy output soon cycles, so prompt lookup has hints for the draft rounds;
     the target drafts for itself, so the draft agrees with the hints the target will accept."""

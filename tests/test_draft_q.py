@@ -48,6 +48,7 @@ def target(llama_cluster):
         yield target_pb2_grpc.TargetServiceStub(channel)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(BAD_ROWS), ids=list(BAD_ROWS))
 def test_target_rejects_bad_draft_probs_naming_the_row(target, case):
     bad, words = BAD_ROWS[case]
@@ -59,6 +60,7 @@ def test_target_rejects_bad_draft_probs_naming_the_row(target, case):
     assert "draft_probs[1]" in info.value.details() and words in info.value.details(), info.value.details()
 
 
+@pytest.mark.e2e
 def test_target_accepts_good_rows_and_greedy_ignores_them(target):
     ok = target.Verify(target_pb2.VerifyRequest(session_id="q-ok", prefix_len=0, new_tokens=[1, 2, 3],
                                                 draft_tokens=[5, 6], draft_probs=[GOOD, _row([6], [1.0])],
@@ -70,6 +72,7 @@ def test_target_accepts_good_rows_and_greedy_ignores_them(target):
     assert ok.num_accepted in (0, 1)
 
 
+@pytest.mark.unit
 def test_rows_stay_sparse_and_residual_uses_only_listed_ids():
     q = DraftQ.from_sparse([SparseDist((2, 0), (0.6, 0.4))], [2], vocab=1000)
     assert q.ids[0].shape == (2,) and float(q.of_drafts[0]) == pytest.approx(0.6)
@@ -78,6 +81,7 @@ def test_rows_stay_sparse_and_residual_uses_only_listed_ids():
     assert residual[2] == 0 and residual[0] == 0 and residual[1] == pytest.approx(1e-3)
 
 
+@pytest.mark.unit
 def test_tolerance_allows_float32_rounding_only():
     DraftQ.from_sparse([SparseDist((1, 2), (0.5000004, 0.4999999))], [1], vocab=10)
     with pytest.raises(InvalidArgument, match="sum to"):

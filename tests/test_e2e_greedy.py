@@ -13,6 +13,8 @@ from specdec.runtime.loader import load_model
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [
     "def fibonacci(n):",
     "The quick brown fox",

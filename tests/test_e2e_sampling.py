@@ -21,6 +21,8 @@ from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_sampling import chi2_pvalue
 
+pytestmark = pytest.mark.e2e
+
 PROMPT_IDS = [3, 7, 5]
 SAMPLES = 1000
 

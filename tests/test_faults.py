@@ -7,6 +7,8 @@ import pytest
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.e2e
+
 TURNS = ["def fibonacci(n):", "\n# and now the loop\nfor i in range(3):"]
 
 

@@ -13,6 +13,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
 
+@pytest.mark.unit
 def test_prefix_hashes_extend_truncate_and_agree_with_one_shot():
     tokens = [random.Random(3).randrange(50_000) for _ in range(500)]
     hashes = PrefixHashes(tokens[:200])
@@ -27,6 +28,7 @@ def test_prefix_hashes_extend_truncate_and_agree_with_one_shot():
     assert fingerprint([1, 2]) != fingerprint([2, 1]) and fingerprint([0]) != fingerprint([])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tier", ["draft", "target"])
 def test_wrong_fingerprint_is_a_cache_miss(llama_cluster, tier):
     port = llama_cluster.draft_port if tier == "draft" else llama_cluster.target_port

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.e2e
+
 DOCUMENTED = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.runtime.loader import load_model
@@ -9,6 +10,8 @@ from specdec.tokenizer import tokenizer_fingerprint
 from tests.cluster import Cluster
 from tests.gguf_writer import write_llama_gguf
 from tests.test_e2e_greedy import reference
+
+pytestmark = pytest.mark.e2e
 
 
 def test_gguf_file_matches_its_checkpoint(models, tmp_path):

@@ -39,22 +39,26 @@ def run(governor: LoadGovernor, clock: Clock, load: int, seconds: float, specula
     return spent
 
 
+@pytest.mark.unit
 def test_load_bands():
     assert [load_band(n) for n in (2, 3, 4, 7, 8, 16, 31, 32)] == [1, 1, 2, 2, 3, 4, 4, 5]
 
 
+@pytest.mark.unit
 def test_a_single_stream_is_left_to_its_policy():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
     assert governor.speculate(1) and governor.phase == "idle"
 
 
+@pytest.mark.unit
 def test_a_trial_starts_plain_when_nothing_is_known():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
     assert not governor.speculate(16) and governor.phase == "trial-plain"
 
 
+@pytest.mark.unit
 def test_plain_decoding_wins_and_the_losing_epoch_stops_early():
     clock = Clock()
     governor = LoadGovernor(clock=clock, epoch_s=6.0, settle_s=2.0, min_count_s=2.0, hold_s=60.0)
@@ -67,6 +71,7 @@ def test_plain_decoding_wins_and_the_losing_epoch_stops_early():
     assert governor.verdicts[load_band(16)][0] == PLAIN
 
 
+@pytest.mark.unit
 def test_speculation_wins_when_it_commits_more_tokens():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
@@ -76,6 +81,7 @@ def test_speculation_wins_when_it_commits_more_tokens():
     assert spent[PLAIN] <= governor.epoch_s + STEP  # the plain epoch, then speculation held
 
 
+@pytest.mark.unit
 def test_a_verdict_holds_then_is_tried_again_starting_with_the_winner():
     clock = Clock()
     governor = LoadGovernor(clock=clock, hold_s=60.0)
@@ -88,6 +94,7 @@ def test_a_verdict_holds_then_is_tried_again_starting_with_the_winner():
     assert not governor.speculate(16) and governor.phase == "trial-plain"  # tried again, plain first
 
 
+@pytest.mark.unit
 def test_a_verdict_repeated_by_far_is_held_longer_a_close_one_not():
     clock = Clock()
     governor = LoadGovernor(clock=clock, hold_s=60.0, max_hold_s=200.0)
@@ -105,6 +112,7 @@ def test_a_verdict_repeated_by_far_is_held_longer_a_close_one_not():
     assert governor.verdicts[load_band(16)][3] == 60.0
 
 
+@pytest.mark.unit
 def test_plain_at_a_load_carries_to_higher_loads_and_speculation_to_lower():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
@@ -121,6 +129,7 @@ def test_plain_at_a_load_carries_to_higher_loads_and_speculation_to_lower():
     assert governor.verdict(load_band(8)) == SPECULATE
 
 
+@pytest.mark.unit
 def test_a_close_second_epoch_runs_its_length():
     clock = Clock()
     governor = LoadGovernor(clock=clock, epoch_s=6.0, settle_s=2.0)
@@ -129,6 +138,7 @@ def test_a_close_second_epoch_runs_its_length():
     assert abs(governor.rates[SPECULATE] - 320.0) < 10  # settled
 
 
+@pytest.mark.unit
 def test_a_trial_starts_again_when_the_load_moves_to_another_band():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
@@ -142,6 +152,7 @@ def test_a_trial_starts_again_when_the_load_moves_to_another_band():
     assert set(governor.verdicts) == {load_band(16)} and governor.verdicts[load_band(16)][1] > started + 6
 
 
+@pytest.mark.unit
 def test_a_decisive_verdict_reaches_one_band_the_other_way():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
@@ -151,6 +162,7 @@ def test_a_decisive_verdict_reaches_one_band_the_other_way():
     assert not governor.speculate(8) and governor.phase == "hold"
 
 
+@pytest.mark.unit
 def test_a_trial_moving_to_a_band_with_a_verdict_follows_it():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
@@ -160,6 +172,7 @@ def test_a_trial_moving_to_a_band_with_a_verdict_follows_it():
     assert not governor.speculate(32) and governor.phase == "hold"  # plain at 16 holds at 32
 
 
+@pytest.mark.unit
 def test_a_trial_stops_when_the_load_goes():
     clock = Clock()
     governor = LoadGovernor(clock=clock)
@@ -170,6 +183,7 @@ def test_a_trial_stops_when_the_load_goes():
     assert governor.verdicts == {}
 
 
+@pytest.mark.unit
 def test_a_plain_verdict_only_overrides_adaptive_auto_requests():
     spec = Speculation(max_gamma=8, default_gamma=4, ngram_max=3, ngram_max_tokens=8)
     history = [5, 6, 7, 8, 1, 2, 5, 6, 7]
@@ -179,6 +193,7 @@ def test_a_plain_verdict_only_overrides_adaptive_auto_requests():
     assert spec.start("d", "draft", None).plan(history, 8, True, allowed=False).source == "draft"
 
 
+@pytest.mark.e2e
 def test_while_plain_decoding_holds_the_draft_gets_no_call_at_all(models):
     """Under a plain verdict an adaptive request neither drafts nor sends the draft its prompt
     ahead (work for a draft round that will not come), and its output is target-only's."""

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+pytestmark = pytest.mark.process
+
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the dev extra")
 jsonschema = pytest.importorskip("jsonschema")

@@ -14,6 +14,10 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("specdec", "specdec_cli", "coordinator", "draft_service", "target_service")  # bench has its own extra
 # packages transformers imports only when it loads a .gguf file: no import of ours names them

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from specdec.logtag import session_tag
 from tests.cluster import Cluster
 
 
+@pytest.mark.e2e
 def test_session_ids_never_reach_info_logs(models, caplog):
     caplog.set_level(logging.INFO)
     with Cluster(models["llama"]["draft"], models["llama"]["target"],
@@ -29,6 +32,7 @@ def test_session_ids_never_reach_info_logs(models, caplog):
     assert any("evicted" in m and tag in m for m in messages), messages
 
 
+@pytest.mark.unit
 def test_session_tag_is_short_and_stable():
     assert session_tag("abc") == session_tag("abc") != session_tag("abd")
     assert len(session_tag("abc")) == 8 and "abc" not in session_tag("abc")

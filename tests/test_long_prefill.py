@@ -16,6 +16,8 @@ import pytest
 from specdec import tiny
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.e2e
+
 PROMPT_TOKENS = 3000
 
 

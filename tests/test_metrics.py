@@ -37,6 +37,7 @@ def served():
     server.stop()
 
 
+@pytest.mark.service
 def test_rounds_move_the_counters_by_exactly_what_was_recorded(served):
     metrics, server = served
     metrics.record_round("draft", 3, 2, {"draft": 0.002, "verify": 0.015})  # earlier traffic
@@ -82,6 +83,7 @@ def test_rounds_move_the_counters_by_exactly_what_was_recorded(served):
     assert len(info) == 1 and info[0][0]["service"] == "coordinator" and info[0][1] == 1
 
 
+@pytest.mark.service
 def test_requests_gauges_and_batches(served):
     metrics, server = served
     metrics.record_request("Generate", grpc.StatusCode.OK)
@@ -109,6 +111,7 @@ def test_requests_gauges_and_batches(served):
     assert value(after, "specdec_active_sessions") == 0
 
 
+@pytest.mark.unit
 def test_registries_are_per_service():
     coordinator, target = Metrics("coordinator"), Metrics("target")
     coordinator.record_round("draft", 2, 2)
@@ -119,6 +122,7 @@ def test_registries_are_per_service():
     assert b"specdec_num_draft_tokens_total" in coordinator.render()
 
 
+@pytest.mark.unit
 def test_bad_labels_are_refused():
     metrics = Metrics("draft")
     with pytest.raises(ValueError, match="proposer"):
@@ -131,6 +135,7 @@ def test_bad_labels_are_refused():
         Metrics("router")
 
 
+@pytest.mark.service
 def test_serve_metrics_is_off_at_port_zero_and_stops_cleanly():
     metrics = Metrics("target")
     assert serve_metrics(metrics, 0) is None
@@ -150,6 +155,7 @@ def test_serve_metrics_is_off_at_port_zero_and_stops_cleanly():
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls, prefix", [(CoordinatorConfig, "coordinator"),
                                          (DraftConfig, "draft"), (TargetConfig, "target")])
 def test_every_service_has_a_metrics_port_flag(cls, prefix):

@@ -13,6 +13,8 @@ from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster, _free_port
 from tests.test_metrics import scrape, value
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def metered(small_vocab_models):

@@ -9,6 +9,8 @@ import pytest
 
 from specdec import models
 
+pytestmark = pytest.mark.unit
+
 
 def make_wheels(tmp_path, chunks, name="fake_parts"):
     wheels = []

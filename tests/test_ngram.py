@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from coordinator.ngram import NgramIndex, NgramProposer
 
+pytestmark = pytest.mark.unit
+
 
 def brute_force(history, gamma, max_ngram, min_ngram=1):
     """Rescan: longest suffix n-gram with an earlier occurrence, the latest one, its continuation

@@ -21,6 +21,8 @@ from specdec.v1 import common_pb2
 from tests.cluster import Cluster, generate_request
 from tests.spies import RequestRecorder
 
+pytestmark = pytest.mark.e2e
+
 PROMPT = [3, 7, 5, 2, 8, 9, 4]
 HOLD_S = 0.03  # how long the relay holds each command on its way to Redis
 

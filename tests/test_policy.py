@@ -14,6 +14,8 @@ from coordinator.policy import (
     expected_tokens, leviathan_speedup,
 )
 
+pytestmark = pytest.mark.unit
+
 VERIFY_S = 0.1  # seconds of one target forward (flat unless a test says otherwise)
 
 

@@ -17,6 +17,8 @@ from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference
 
+pytestmark = pytest.mark.e2e
+
 PROPOSERS = ("auto", "draft", "ngram", "none")
 # prompts that repeat themselves, so prompt lookup finds matches from the first round on
 TEXT_PROMPTS = [

@@ -16,6 +16,7 @@ from tests.test_e2e_greedy import reference
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "hello world, hello"]
 
 
+@pytest.mark.e2e
 def test_int8_draft_keeps_greedy_output_exact(models):
     paths = models["llama"]
     expected = reference(paths["target"], PROMPTS, 24)
@@ -28,6 +29,7 @@ def test_int8_draft_keeps_greedy_output_exact(models):
             assert response.stats.draft_rounds > 0 and response.stats.acceptance_rate > 0.5
 
 
+@pytest.mark.unit
 def test_int8_linear_is_the_rounded_weights_product():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
@@ -42,6 +44,7 @@ def test_int8_linear_is_the_rounded_weights_product():
     assert torch.equal(quantized(x)[1], quantized(x[1:2])[0])
 
 
+@pytest.mark.unit
 def test_int8_runner_quantizes_every_linear_and_still_batches(models):
     runner = runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="bfloat16", quantize="int8"))
     linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
@@ -55,6 +58,7 @@ def test_int8_runner_quantizes_every_linear_and_still_batches(models):
     assert a.shape == (1, 384) and torch.allclose(a, b, atol=0.05 * float(b.abs().max()))
 
 
+@pytest.mark.unit
 def test_int8_is_cpu_only_and_unknown_quantizations_are_refused(models):
     with pytest.raises(ModelLoadError, match="CPU only"):
         runner_from_config(DraftConfig(model=models["llama"]["draft"], device="cuda", quantize="int8"))
@@ -62,6 +66,7 @@ def test_int8_is_cpu_only_and_unknown_quantizations_are_refused(models):
         load_model(models["llama"]["draft"], "float32", quantize="int4")
 
 
+@pytest.mark.unit
 def test_auto_quantizes_a_cpu_draft_unless_float64():
     from specdec.runtime.quantize import resolve_quantization
 

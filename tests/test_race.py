@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 
 import grpc
+import pytest
 import redis
 import torch
 
@@ -33,6 +34,7 @@ def greedy_predictions(target_dir: str, history: list[int]) -> list[int]:
         return model(torch.tensor([history])).logits[0].argmax(-1).tolist()
 
 
+@pytest.mark.e2e
 def test_two_coordinators_racing_on_one_session(small_vocab_models, redis_url):
     draft, target = small_vocab_models["draft"], small_vocab_models["target"]
     with Cluster(draft, target, coordinator={"session_store": redis_url}) as cluster:
@@ -93,6 +95,7 @@ def explained(history: list[int], pred: list[int]) -> bool:
     return ok[len(PROMPT)]
 
 
+@pytest.mark.unit
 def test_the_check_can_fail():
     history = PROMPT + [10, 4, 9, 9, 6, 11, 9]
     pred = [0] * len(history)  # pred[i] = the token after history[:i + 1]

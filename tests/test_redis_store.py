@@ -42,6 +42,7 @@ async def _roundtrip(store: RedisSessionStore):
     return record, got
 
 
+@pytest.mark.service
 def test_roundtrip_and_append(redis_url):
     async def body():
         store = RedisSessionStore(redis_url, ttl_s=100)
@@ -59,6 +60,7 @@ def test_roundtrip_and_append(redis_url):
     run(body())
 
 
+@pytest.mark.service
 def test_lease_is_exclusive_across_stores(redis_url):
     """Two coordinator replicas share one Redis: only one request may write a session."""
     async def body():
@@ -88,6 +90,7 @@ def test_lease_is_exclusive_across_stores(redis_url):
     run(body())
 
 
+@pytest.mark.service
 def test_lease_expires_without_progress(redis_url):
     async def body():
         a = RedisSessionStore(redis_url, lease_ttl_s=0.2)
@@ -103,6 +106,7 @@ def test_lease_expires_without_progress(redis_url):
     run(body())
 
 
+@pytest.mark.unit
 def test_unreachable_redis_is_unavailable_with_a_clear_message():
     async def body():
         store = RedisSessionStore("redis://:secret@127.0.0.1:1/0", socket_timeout_s=0.5)
@@ -115,6 +119,7 @@ def test_unreachable_redis_is_unavailable_with_a_clear_message():
     run(body())
 
 
+@pytest.mark.process
 def test_password_url(tmp_path):
     server = RedisServer(tmp_path / "r", extra=["--requirepass", "s3cret"]).start()
     try:
@@ -151,6 +156,7 @@ def _make_certs(directory):
     return {"ca": ca, "cert": cert, "key": key}
 
 
+@pytest.mark.process
 def test_tls_url(tmp_path):
     certs = _make_certs(tmp_path / "certs")
     server = RedisServer(tmp_path / "r", tls=certs).start()
@@ -167,6 +173,7 @@ def test_tls_url(tmp_path):
         server.stop()
 
 
+@pytest.mark.unit
 def test_open_store_rejects_unknown_scheme():
     with pytest.raises(ValueError, match="unsupported --session-store"):
         open_store("postgres://x")
@@ -174,6 +181,7 @@ def test_open_store_rejects_unknown_scheme():
 
 # ---- one lease per request ----------------------------------------------------------------------
 
+@pytest.mark.service
 def test_two_requests_never_use_each_others_lease(redis_url):
     """One coordinator, two requests on one session (the first one's lease lapsed): each handle
     writes, renews and releases only with its own lease id."""
@@ -209,6 +217,7 @@ def test_two_requests_never_use_each_others_lease(redis_url):
     run(body())
 
 
+@pytest.mark.unit
 def test_memory_store_leases_are_per_request():
     async def body():
         store = MemorySessionStore()
@@ -232,6 +241,7 @@ def test_memory_store_leases_are_per_request():
     run(body())
 
 
+@pytest.mark.service
 def test_renewal_keeps_the_lease_past_its_ttl(redis_url):
     async def body():
         a = RedisSessionStore(redis_url, lease_ttl_s=0.3)
@@ -252,6 +262,7 @@ def test_renewal_keeps_the_lease_past_its_ttl(redis_url):
 
 # ---- long sessions ------------------------------------------------------------------------------
 
+@pytest.mark.service
 def test_saves_and_reloads_a_20000_token_session(redis_url):
     """Lua's unpack takes ~8,000 values: a long first save is pushed in chunks, atomically."""
     async def body():
@@ -280,6 +291,7 @@ def long_context_models(tmp_path_factory):
     return str(draft), str(target)
 
 
+@pytest.mark.e2e
 def test_long_prompt_end_to_end_through_redis(long_context_models, redis_url):
     draft, target = long_context_models
     prompt = [1 + (i * 7919) % 383 for i in range(10_500)]
@@ -334,6 +346,7 @@ def _stuck_request(cluster, redis_client):
     return sid, before, thread, outcome
 
 
+@pytest.mark.e2e
 def test_renewal_keeps_a_long_request_lease_alive(models, redis_url):
     """A request waiting for its target far longer than the lease keeps its session."""
     lease_s = 1.0
@@ -361,6 +374,7 @@ def test_renewal_keeps_a_long_request_lease_alive(models, redis_url):
     client.close()
 
 
+@pytest.mark.e2e
 def test_request_whose_session_was_taken_over_stops(models, redis_url):
     paths = models["llama"]
     client = redis.Redis.from_url(redis_url, decode_responses=True)

@@ -21,6 +21,8 @@ from specdec.runtime.loader import load_model
 from tests.procs import Coordinator, ServiceProcess
 from tests.redis_server import free_port
 
+pytestmark = pytest.mark.process
+
 SESSIONS = 20
 NEW = 8
 GAMMA = 3

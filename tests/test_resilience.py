@@ -37,6 +37,7 @@ def collect(stream, after_first=None):
     return tokens, "".join(text), last
 
 
+@pytest.mark.process
 def test_target_killed_and_restarted_mid_stream(services, redis_url):
     draft, target = services
     coordinator = Coordinator(draft.address, target.address, session_store=redis_url)
@@ -56,6 +57,7 @@ def test_target_killed_and_restarted_mid_stream(services, redis_url):
         coordinator.stop()
 
 
+@pytest.mark.process
 def test_draft_down_falls_back_to_target_only(services):
     draft, target = services
     coordinator = Coordinator(draft.address, target.address, draft_retry_s=0.5)
@@ -77,6 +79,7 @@ def test_draft_down_falls_back_to_target_only(services):
         coordinator.stop()
 
 
+@pytest.mark.process
 def test_draft_slower_than_budget_falls_back(services):
     draft, target = services
     coordinator = Coordinator(draft.address, target.address, draft_timeout_s=0.3, draft_retry_s=0.2)
@@ -97,6 +100,7 @@ def test_draft_slower_than_budget_falls_back(services):
         coordinator.stop()
 
 
+@pytest.mark.process
 def test_redis_stopped_then_back(models, own_redis):
     paths = models["llama"]
     with Cluster(paths["draft"], paths["target"],
@@ -156,6 +160,7 @@ def _wait_released(cluster, session_id, timeout=5.0):
     return False
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_cancel_or_deadline_releases_everything(models, how):
     paths = models["llama"]
@@ -181,6 +186,7 @@ def test_cancel_or_deadline_releases_everything(models, how):
         assert len(more.token_ids) == 4
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tight", [{"max_sessions": 1}, {"kv_cache_bytes": 40_000}],
                          ids=["max-sessions", "kv-bytes"])
 def test_kv_budget_evicts_lru_and_rebuilds_transparently(models, tight):
@@ -209,6 +215,7 @@ def test_kv_budget_evicts_lru_and_rebuilds_transparently(models, tight):
     assert roomy_misses == 0 and misses > 0
 
 
+@pytest.mark.e2e
 def test_too_many_concurrent_generations(models):
     paths = models["llama"]
     with Cluster(paths["draft"], paths["target"], coordinator={"max_concurrent_generations": 1}) as cluster:
@@ -222,6 +229,7 @@ def test_too_many_concurrent_generations(models):
         stream.cancel()
 
 
+@pytest.mark.e2e
 def test_second_coordinator_continues_a_session(models, redis_url):
     paths = models["llama"]
     with Cluster(paths["draft"], paths["target"], coordinator={"session_store": redis_url}) as cluster:
@@ -244,6 +252,7 @@ def test_second_coordinator_continues_a_session(models, redis_url):
         assert second.stats.cache_misses == 0
 
 
+@pytest.mark.e2e
 def test_message_and_prompt_limits(models):
     paths = models["llama"]
     overrides = {"max_message_bytes": 4096, "max_prompt_tokens": 10}

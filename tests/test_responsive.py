@@ -16,6 +16,8 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service import server as target_server
 from tests.cluster import _free_port
 
+pytestmark = pytest.mark.service
+
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 BUSY_S = 4.0
 

@@ -3,11 +3,14 @@ and in what the real services receive."""
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.rng import RequestRng
 from tests.cluster import Cluster
 from tests.spies import RequestRecorder
 
 
+@pytest.mark.unit
 def test_round_seeds_are_distinct_and_reproducible():
     rng = RequestRng(7)
     rounds = [rng.round_seeds() for _ in range(500)]
@@ -29,6 +32,7 @@ class _RepeatingRng(RequestRng):
         return next(self._stream)
 
 
+@pytest.mark.unit
 def test_round_seeds_skip_repeats_of_the_raw_stream():
     rng = _RepeatingRng([5, 5, 6, 5, 6, 7, 7, 8])
     assert rng.round_seeds() == (5, 6)
@@ -49,6 +53,7 @@ def _rounds(calls) -> list[tuple[int | None, int]]:
     return pairs
 
 
+@pytest.mark.e2e
 def test_services_receive_distinct_seeds_every_round(small_vocab_models):
     recorder = RequestRecorder("Propose", "Verify")
     with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
@@ -72,6 +77,7 @@ def test_services_receive_distinct_seeds_every_round(small_vocab_models):
     assert seen[0][0] != seen[1][0]  # and another seed sends others
 
 
+@pytest.mark.unit
 def test_peeked_seeds_are_the_next_rounds_and_keep_the_stream():
     """A draft call made ahead draws with the next round's seed (peek_round_seeds): peeking
     does not change what a request's rounds get."""

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from coordinator.routing import rank, weight
+
+pytestmark = pytest.mark.unit
 
 SESSIONS = [f"session-{i:05d}" for i in range(3000)]
 REPLICAS = [f"10.0.0.{i}:50053" for i in range(1, 6)]

@@ -12,6 +12,8 @@ from specdec.runtime.kv_cache import SessionCaches, common_prefix
 from specdec.runtime.loader import load_model
 from specdec.runtime.runner import ModelRunner
 
+pytestmark = pytest.mark.unit
+
 HISTORY = [5, 17, 42, 9, 33, 8, 21, 64, 3, 77]
 
 

@@ -15,6 +15,8 @@ from specdec.runtime.generators import make_generator
 from specdec.sampling import densify, proposal_top_k, target_probs, truncate_top_k, warp_logits
 from specdec.types import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])  # [1, vocab=6]
 
 

@@ -106,6 +106,7 @@ def _stub(channel: grpc.Channel) -> coordinator_pb2_grpc.CoordinatorStub:
 
 # ---- the API key ------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_right_key_over_tls_and_mtls_generates_with_the_draft(secure):
     response = secure.complete(prompt="def f(x):", max_new_tokens=8, ignore_eos=True, num_speculative_tokens=3)
     assert len(response.token_ids) == 8
@@ -115,6 +116,7 @@ def test_right_key_over_tls_and_mtls_generates_with_the_draft(secure):
     assert [t for c in chunks for t in c.token_ids] == list(response.token_ids)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("metadata, words", [
     ((), "missing API key"),
     ((("authorization", "Bearer not-the-key"),), "invalid API key"),
@@ -139,6 +141,7 @@ def _complete_request():
     return coordinator_pb2.CompleteRequest(request=generate_request(prompt="hi", max_new_tokens=2))
 
 
+@pytest.mark.e2e
 def test_health_and_reflection_need_no_key(secure):
     health = health_pb2_grpc.HealthStub(secure.channel)
     for service in ("", "specdec.v1.Coordinator"):
@@ -151,6 +154,7 @@ def test_health_and_reflection_need_no_key(secure):
     assert "specdec.v1.Coordinator" in names
 
 
+@pytest.mark.e2e
 def test_the_key_never_reaches_the_logs(secure, caplog):
     caplog.set_level(logging.DEBUG)
     stub = _stub(secure.channel)
@@ -161,6 +165,7 @@ def test_the_key_never_reaches_the_logs(secure, caplog):
     assert API_KEY not in caplog.text
 
 
+@pytest.mark.unit
 def test_bearer_token_parsing():
     assert bearer_token([("authorization", "Bearer abc ")]) == "abc"
     assert bearer_token([("authorization", "bearer abc")]) == "abc"
@@ -170,6 +175,7 @@ def test_bearer_token_parsing():
 
 # ---- TLS on the public port -------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_plaintext_client_cannot_use_the_tls_port(secure):
     with grpc.insecure_channel(_address(secure)) as channel:
         with pytest.raises(grpc.RpcError) as info:
@@ -177,6 +183,7 @@ def test_plaintext_client_cannot_use_the_tls_port(secure):
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.e2e
 def test_client_trusting_another_ca_fails(secure, pki):
     credentials = grpc.ssl_channel_credentials(_read(pki["other"]["pem"]))
     with grpc.secure_channel(_address(secure), credentials) as channel:
@@ -191,6 +198,7 @@ def run_cli(*args, env=None):
                           timeout=120, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.process
 def test_generate_cli_with_key_and_ca(secure, pki):
     base = ["generate", "--address", _address(secure), "--max-new-tokens", "4", "--json"]
     ok = run_cli(*base, "--tls-ca-file", pki["ca"]["pem"], "hi", env={"SPECDEC_GENERATE_API_KEY": API_KEY})
@@ -219,6 +227,7 @@ def _start_against(secure, fields: dict, timeout_s: float = 1.5) -> str:
     return str(info.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fields, words", [
     ({}, "--upstream-ca-file"),  # plaintext to a TLS tier
     ("no-client-cert", "--upstream-cert-file"),
@@ -244,6 +253,7 @@ def _server_config(**fields) -> DraftConfig:
     return DraftConfig(model="unused", **fields)
 
 
+@pytest.mark.process
 def test_bad_server_files_are_named(pki, tmp_path):
     cert, key = pki["tier"]["pem"], pki["tier"]["key"]
     encrypted = tmp_path / "encrypted.key"
@@ -270,6 +280,7 @@ def test_bad_server_files_are_named(pki, tmp_path):
     assert server_credentials(_server_config(tls_cert_file=cert, tls_key_file=key)) is not None
 
 
+@pytest.mark.process
 def test_bad_coordinator_files_are_startup_errors(pki, tmp_path):
     empty = tmp_path / "empty.key"
     empty.write_text("\n")
@@ -291,6 +302,7 @@ def test_bad_coordinator_files_are_startup_errors(pki, tmp_path):
     assert read_api_key(pki["api_key_file"]) == API_KEY
 
 
+@pytest.mark.process
 def test_serve_reports_a_bad_file_without_a_traceback(tmp_path):
     draft = run_cli("serve", "draft", "--model", "unused", "--tls-cert-file", "/nonexistent/c.pem",
                     "--tls-key-file", "/nonexistent/k.pem")

@@ -23,6 +23,7 @@ from tests.cluster import Cluster, _free_port
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
 
+@pytest.mark.e2e
 def test_health_and_reflection_on_every_server(llama_cluster):
     ports = {
         "specdec.v1.DraftService": llama_cluster.draft_port,
@@ -42,6 +43,7 @@ def test_health_and_reflection_on_every_server(llama_cluster):
             assert service in names and "grpc.health.v1.Health" in names
 
 
+@pytest.mark.e2e
 def test_model_info_matches_between_tiers(llama_cluster):
     with grpc.insecure_channel(f"127.0.0.1:{llama_cluster.draft_port}") as channel:
         draft = draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(
@@ -56,6 +58,7 @@ def test_model_info_matches_between_tiers(llama_cluster):
     assert list(target.eos_token_ids) == [0]
 
 
+@pytest.mark.e2e
 def test_propose_returns_truncated_distribution_it_sampled_from(llama_cluster):
     with grpc.insecure_channel(f"127.0.0.1:{llama_cluster.draft_port}") as channel:
         draft = draft_pb2_grpc.DraftServiceStub(channel)
@@ -96,6 +99,7 @@ def reference_proposal(logits: np.ndarray, temperature: float, top_k: int, top_p
     return {i: float(probs[i] / total) for i in kept}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("temperature, top_k, top_p", [
     (0.5, 0, 1.0), (1.7, 0, 1.0), (0.5, 20, 1.0), (1.7, 0, 0.9), (0.7, 50, 0.8),
 ])
@@ -124,6 +128,7 @@ def test_propose_returns_q_of_the_requested_warp(models, llama_cluster, temperat
                 assert abs(got[token] - prob) < 1e-5, (i, token, got[token], prob)
 
 
+@pytest.mark.service
 def test_kv_caches_are_bounded_lru(models, tmp_path):
     config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=_free_port(), max_sessions=2)
     server, port, servicer = target_server.start(config)
@@ -148,6 +153,7 @@ def test_kv_caches_are_bounded_lru(models, tmp_path):
         server.stop(None).wait()
 
 
+@pytest.mark.service
 def test_coordinator_startup_error_names_the_difference(models, tmp_path):
     other = tiny.build_model(tmp_path / "other", tiny.word_tokenizer(12), "llama", seed=3)
     cluster = Cluster(str(other), models["llama"]["target"])
@@ -167,6 +173,7 @@ def test_coordinator_startup_error_names_the_difference(models, tmp_path):
         cluster.loop.close()
 
 
+@pytest.mark.unit
 def test_coordinator_startup_fails_fast_when_services_are_down():
     config = CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2", port=0)
     with pytest.raises(StartupError) as info:

@@ -3,11 +3,14 @@ the draft's and target's KV caches held to a budget small enough that they must 
 
 from __future__ import annotations
 
+import pytest
+
 from bench.soak import analyse_memory, run_soak, slope_per_minute
 
 BUDGET = 256 << 10  # bytes: a few dozen tiny-model sessions; the soak starts hundreds
 
 
+@pytest.mark.process
 def test_short_soak_has_no_errors_loses_nothing_and_keeps_the_kv_budget():
     result = run_soak(sessions=12, seconds=25, echo=lambda *_: None, kv_cache_bytes=BUDGET,
                       sample_seconds=1.0, warmup_seconds=8)
@@ -38,6 +41,7 @@ def _samples(kv_target: list[int], rss: list[float]) -> list[dict]:
             for i, (kv, r) in enumerate(zip(kv_target, rss))]
 
 
+@pytest.mark.unit
 def test_memory_analysis_flags_kv_past_the_budget_and_measures_rss_growth():
     samples = _samples([0, 900, 1000, 1050, 980], [100.0, 110.0, 112.0, 114.0, 116.0])
     idle = {"target": {"rss_mb": 118.0, "kv_bytes": 990, "cached_sessions": 3}}

@@ -9,6 +9,8 @@ from coordinator.proposers.prompt_lookup import one_hot_dists
 from coordinator.speculation import FixedCosts, Speculation
 from specdec.types import SparseDist
 
+pytestmark = pytest.mark.unit
+
 HISTORY = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # the suffix 5 6 7 occurred before, followed by 8 1 2
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from tests.cluster import Cluster
 
+pytestmark = pytest.mark.e2e
+
 PROMPT = "The quick brown fox"
 NEW_TOKENS = 32
 FINISH_STOP = 3  # FINISH_REASON_STOP

@@ -122,6 +122,7 @@ def _conversations(cluster: Cluster) -> list[list[int]]:
     return out
 
 
+@pytest.mark.e2e
 def test_greedy_output_is_the_same_over_streams_and_unary_calls(models, run):
     outputs, methods = {}, {}
     for transport in ("stream", "unary"):
@@ -140,6 +141,7 @@ def test_greedy_output_is_the_same_over_streams_and_unary_calls(models, run):
 
 # ---- the call stream of one client ---------------------------------------------------------
 
+@pytest.mark.service
 def test_concurrent_calls_of_many_sessions_share_one_stream_and_one_batch(target, run):
     address, servicer, log = target
     histories = [[(7 * i + j) % 300 + 1 for j in range(5 + 3 * i)] for i in range(6)]
@@ -171,6 +173,7 @@ def test_concurrent_calls_of_many_sessions_share_one_stream_and_one_batch(target
     assert methods.count("VerifyStream") == 1 and methods.count("Verify") == 2 * len(histories)
 
 
+@pytest.mark.service
 def test_bad_request_gets_the_unary_error_and_the_stream_goes_on(target, run):
     address, servicer, log = target
 
@@ -199,6 +202,7 @@ def test_bad_request_gets_the_unary_error_and_the_stream_goes_on(target, run):
     run(scenario())
 
 
+@pytest.mark.service
 def test_a_full_queue_answers_resource_exhausted_with_its_retry_hint(target, run):
     address, servicer, _ = target
 
@@ -220,6 +224,7 @@ def test_a_full_queue_answers_resource_exhausted_with_its_retry_hint(target, run
     run(scenario())
 
 
+@pytest.mark.service
 def test_a_call_whose_deadline_passed_while_queued_is_dropped(target, run):
     address, servicer, _ = target
 
@@ -252,6 +257,7 @@ def test_a_call_whose_deadline_passed_while_queued_is_dropped(target, run):
     run(scenario())
 
 
+@pytest.mark.service
 def test_a_cancelled_caller_drops_its_call_and_the_stream_serves_on(draft, run):
     address, servicer, _ = draft
 
@@ -275,6 +281,7 @@ def test_a_cancelled_caller_drops_its_call_and_the_stream_serves_on(draft, run):
 
 # ---- broken streams and older servers ---------------------------------------------------------
 
+@pytest.mark.service
 def test_a_stopped_server_fails_calls_like_a_dead_one_and_a_new_one_is_used(models, run):
     server, port, servicer, log = start_target(models)
     address = f"127.0.0.1:{port}"
@@ -326,6 +333,7 @@ def _unary_only_target(servicer, loop: asyncio.AbstractEventLoop) -> tuple[grpc.
     return asyncio.run_coroutine_threadsafe(build, loop).result(30)
 
 
+@pytest.mark.service
 def test_falls_back_to_unary_calls_against_a_server_without_the_stream(models, run):
     real, _, servicer, _ = start_target(models)
     old, port = _unary_only_target(servicer, real.loop)
