@@ -196,8 +196,9 @@ class Engine:
                     run.commit(round_tokens)
                     if self.governor is not None:
                         self.governor.record(len(round_tokens))
-                    for tier in Tier:
-                        record.hold(tier, min(record.placement(tier).held, len(record.token_ids)))
+                    for tier in Tier:  # a replica never holds more than is committed
+                        if record.placement(tier).held > len(record.token_ids):
+                            record.hold(tier, len(record.token_ids))
                     run.stats.generated_tokens = len(generated)
                     self._observe_policy(spec, result)  # before the next round is planned
                     for source in self.sources.values():

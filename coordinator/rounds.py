@@ -67,7 +67,7 @@ class Round:
     ahead: DraftAhead | None = None  # a draft round's --draft-ahead mode (None: not the trial's)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Drafts:
     """What a source proposed for a round."""
 
@@ -78,7 +78,7 @@ class Drafts:
     call_seconds: float | None = None       # the draft call on the round's critical path (None: none)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RoundResult:
     """What one round did, for the commit, the stats, the policy and the metrics."""
 

@@ -9,7 +9,6 @@ handle, and every write, renewal and release names it.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -58,7 +57,7 @@ class SessionRecord:
 
     def hold(self, tier: Tier, held: int) -> None:
         """The tier's replica now holds the first `held` committed tokens."""
-        self.place(tier, dataclasses.replace(self.placement(tier), held=held))
+        self.place(tier, Placement(self.placement(tier).address, held))
 
 
 @dataclass(eq=False)
