@@ -328,7 +328,8 @@ class SessionPolicy:
         draft_available: False while the draft tier is failing;
         mode / fixed_gamma: the request's override (fixed source and / or fixed γ).
         """
-        mode = Proposer(mode)  # ValueError for anything else
+        if not isinstance(mode, Proposer):
+            mode = Proposer(mode)  # ValueError for anything else
         if fixed_gamma is not None and fixed_gamma < 0:
             raise ValueError(f"fixed_gamma must be >= 0, got {fixed_gamma}")
         cap = self.config.max_gamma if max_gamma is None else max_gamma
