@@ -24,7 +24,7 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
-from specdec.runtime.runner import ModelRunner, Row
+from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.sampling import proposal_top_k
 from specdec.types import Proposal, SamplingParams, SparseDist
 
@@ -82,7 +82,7 @@ def _greedy_confidence(logits: torch.Tensor, wanted: bool) -> list[float]:
 class ModelProposer:
     """A small causal LM proposes autoregressively from its top-K truncated distribution."""
 
-    def __init__(self, runner: ModelRunner, proposal_top_k: int):
+    def __init__(self, runner: SessionRunner, proposal_top_k: int):
         self.runner = runner
         self.proposal_top_k = proposal_top_k
 

@@ -10,7 +10,7 @@ from specdec.config import DraftConfig
 from specdec.rpc.model_server import serve_model
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer
-from specdec.runtime.runner import runner_from_config
+from specdec.runtime.engines import runner_from_config
 from specdec.runtime.scheduler import batch_scheduler
 from specdec.runtime.worker import ModelWorker
 from specdec.tokenizer import tokenizer_fingerprint
@@ -32,7 +32,7 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
     proposer = ModelProposer(runner, config.proposal_top_k)
     scheduler = batch_scheduler(config, worker, proposer.propose_batch, lambda call: len(call.new_tokens) + len(call.hints))
     servicer = DraftServicer(proposer, runner.description, scheduler,
-                             lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
+                             lambda n: tokenizer_fingerprint(runner.tokenizer, n))
     server, port = serve_model(config, "draft", DEFAULT_PORT, servicer,
                                draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, runner, worker,
                                credentials, interceptors, {"Propose": "draft"})

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping, TypeVar
 
-from specdec.types import DiscoveryKind, DraftAhead, Proposer, Quantization, RpcTransport
+from specdec.types import Backend, DiscoveryKind, DraftAhead, KVCacheType, Proposer, Quantization, RpcTransport
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
@@ -46,8 +46,18 @@ class ModelServiceConfig(ServerTlsConfig):
     """What the draft and the target service share."""
 
     model: str = opt("", "model directory, hub id or .gguf file (required)")
-    dtype: str = opt("bfloat16", "weight dtype", DTYPES)
-    device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ...")
+    backend: str = opt("auto", "engine: llama.cpp (a .gguf file, served quantised as it is, through "
+                       "llama-cpp-python), torch (transformers: a directory, a hub id, or a .gguf file "
+                       "dequantised to --dtype), or auto (llama.cpp for a .gguf file when llama-cpp-python "
+                       "is installed, else torch)", choices_of(Backend))
+    dtype: str = opt("bfloat16", "weight dtype (torch backend)", DTYPES)
+    device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ... (llama.cpp: cpu, or any other value to "
+                      "offload every layer to the GPU llama-cpp-python was built for)")
+    threads: int = opt(0, "CPU threads of the model (0 = the backend's default: torch's own, or every core "
+                       "for llama.cpp)")
+    kv_cache_type: str = opt("f16", "element type of the K/V cache (llama.cpp backend)", choices_of(KVCacheType))
+    kv_cache_tokens: int = opt(0, "K/V cells the llama.cpp backend allocates at start, shared by all "
+                               "sessions (0 = --kv-cache-bytes / the bytes of one token, at most 32768)")
     host: str = opt("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = opt(0, "port to listen on (0 = the service default)")
     metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)")

@@ -39,6 +39,23 @@ class Quantization(StrEnum):
     INT8 = "int8"  # weight-only int8 (CPU only)
 
 
+class Backend(StrEnum):
+    """The engine a model service runs its model on (--backend)."""
+
+    AUTO = "auto"            # LLAMA_CPP for a .gguf file when llama-cpp-python is installed, else TORCH
+    TORCH = "torch"          # transformers on torch: a directory, a hub id or a .gguf file (dequantised)
+    LLAMA_CPP = "llama.cpp"  # llama.cpp through llama-cpp-python: a .gguf file, served as quantised
+
+
+class KVCacheType(StrEnum):
+    """The llama.cpp backend's K/V element type (--kv-cache-type)."""
+
+    F16 = "f16"
+    BF16 = "bf16"
+    F32 = "f32"
+    Q8_0 = "q8_0"
+
+
 class RpcTransport(StrEnum):
     """How the coordinator's Propose and Verify calls travel (--rpc-transport)."""
 

@@ -10,7 +10,7 @@ import time
 from typing import Any, Sequence
 
 from specdec.config import DTYPES, choices_of
-from specdec.types import Quantization
+from specdec.types import Backend, Quantization
 
 from specdec_cli import generate
 from specdec_cli.env import DEFAULT_PORT, env_default
@@ -24,6 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="draft model (default: the fetched pair; env SPECDEC_UP_DRAFT_MODEL)")
     up.add_argument("--target-model", default=env_default("up", "target_model", ""),
                     help="target model (default: the fetched pair; env SPECDEC_UP_TARGET_MODEL)")
+    up.add_argument("--backend", default=env_default("up", "backend", "auto"), choices=choices_of(Backend),
+                    help="engine of both models; auto serves the fetched pair's Q4_K_M GGUF files on "
+                         "llama.cpp when llama-cpp-python is installed, else its converted directories "
+                         "on torch (env SPECDEC_UP_BACKEND)")
     up.add_argument("--dtype", default=env_default("up", "dtype", "bfloat16"), choices=DTYPES,
                     help="weight dtype of both models (env SPECDEC_UP_DTYPE)")
     up.add_argument("--device", default=env_default("up", "device", "cpu"),
@@ -44,13 +48,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def models_of(args: argparse.Namespace) -> tuple[str, str]:
-    """(draft, target): the flags', else the fetched default pair's."""
-    from specdec.models import FetchError, default_pair
+    """(draft, target): the flags', else the fetched default pair's: its GGUF files where the
+    backend is llama.cpp (or auto with llama-cpp-python installed), else its directories."""
+    from specdec.models import FetchError, default_gguf_pair, default_pair
+    from specdec.runtime.engines import llama_cpp_installed
 
     draft_model, target_model = args.draft_model, args.target_model
     if not (draft_model and target_model):
+        native = args.backend == Backend.LLAMA_CPP or (args.backend == Backend.AUTO and llama_cpp_installed())
         try:
-            pair = default_pair()
+            pair = default_gguf_pair() if native else default_pair()
         except FetchError as exc:
             raise SystemExit(f"specdec up: {exc}")
         draft_model = draft_model or str(pair["draft"])
@@ -63,10 +70,10 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
     """The `specdec serve ...` command line of each child."""
     port = args.port
     return {
-        "draft": SERVE + ["draft", "--model", draft_model, "--dtype", args.dtype, "--device", args.device,
-                          "--port", str(port + 1), "--quantize", args.draft_quantize],
-        "target": SERVE + ["target", "--model", target_model, "--dtype", args.dtype, "--device",
-                           args.device, "--port", str(port + 2)],
+        "draft": SERVE + ["draft", "--model", draft_model, "--backend", args.backend, "--dtype", args.dtype,
+                          "--device", args.device, "--port", str(port + 1), "--quantize", args.draft_quantize],
+        "target": SERVE + ["target", "--model", target_model, "--backend", args.backend, "--dtype", args.dtype,
+                           "--device", args.device, "--port", str(port + 2)],
         "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target",
                                 addresses["target"], "--port", str(port)],
     }

@@ -10,7 +10,7 @@ from specdec.config import TargetConfig
 from specdec.rpc.model_server import serve_model
 from specdec.rpc.security import server_credentials
 from specdec.rpc.server import BackgroundServer
-from specdec.runtime.runner import runner_from_config
+from specdec.runtime.engines import runner_from_config
 from specdec.runtime.scheduler import batch_scheduler
 from specdec.runtime.worker import ModelWorker
 from specdec.tokenizer import tokenizer_fingerprint
@@ -33,7 +33,7 @@ def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerIntercepto
     scheduler = batch_scheduler(config, worker, verifier.verify_batch,
                                 lambda call: len(call.new_tokens) + len(call.drafts))
     servicer = TargetServicer(verifier, runner.description, scheduler,
-                              lambda n: tokenizer_fingerprint(runner.loaded.tokenizer, n))
+                              lambda n: tokenizer_fingerprint(runner.tokenizer, n))
     server, port = serve_model(config, "target", DEFAULT_PORT, servicer,
                                target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, runner, worker,
                                credentials, interceptors, {"Verify": "verify"})

@@ -12,7 +12,7 @@ from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
-from specdec.runtime.runner import ModelRunner, Row
+from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.sampling import target_probs
 from specdec.types import SamplingParams, SparseDist, Verdict
 
@@ -32,7 +32,7 @@ class VerifyCall:
 
 
 class Verifier:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: SessionRunner):
         self.runner = runner
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],

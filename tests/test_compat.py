@@ -37,9 +37,10 @@ def mixed_pair(tmp_path_factory):
     return str(draft), str(target), tokenizer
 
 
-def _startup_error(draft: str, target: str) -> str:
-    """Start draft and target services and a coordinator that must refuse them; its message."""
-    cluster = Cluster(draft, target)
+def _startup_error(draft: str, target: str, draft_config: dict | None = None) -> str:
+    """Start draft and target services (the draft with draft_config's settings) and a coordinator
+    that must refuse them; its message."""
+    cluster = Cluster(draft, target, draft=draft_config)
     cluster._start_draft(0)
     cluster._start_target(0)
     try:

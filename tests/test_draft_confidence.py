@@ -19,7 +19,7 @@ import torch
 
 from specdec.config import DraftConfig
 from specdec.runtime.loader import load_model
-from specdec.runtime.runner import runner_from_config
+from specdec.runtime.engines import runner_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from draft_service.proposer import ModelProposer

@@ -14,7 +14,7 @@ import pytest
 
 from specdec.config import DraftConfig
 from specdec.fingerprint import fingerprint
-from specdec.runtime.runner import runner_from_config
+from specdec.runtime.engines import runner_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from draft_service.proposer import ModelProposer

@@ -27,7 +27,7 @@ def test_gguf_file_matches_its_checkpoint(models, tmp_path):
     assert tokenizer_fingerprint(from_gguf.tokenizer) == tokenizer_fingerprint(from_dir.tokenizer)
 
     expected = reference(source, ["def fibonacci(n):"], 24)
-    with Cluster(models["llama"]["draft"], str(gguf_path)) as cluster:
+    with Cluster(models["llama"]["draft"], str(gguf_path), target={"backend": "torch"}) as cluster:
         response = cluster.complete(prompt="def fibonacci(n):", max_new_tokens=24, num_speculative_tokens=3,
                                     ignore_eos=True)
     assert list(response.token_ids) == expected["def fibonacci(n):"]

@@ -8,7 +8,7 @@ import torch
 from specdec.config import DraftConfig
 from specdec.runtime.loader import ModelLoadError, load_model
 from specdec.runtime.quantize import Int8Linear
-from specdec.runtime.runner import runner_from_config
+from specdec.runtime.engines import runner_from_config
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference

@@ -9,12 +9,12 @@ import grpc
 from specdec.metrics import Metrics, serve_metrics
 from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.server import BackgroundServer, start_model_server
-from specdec.runtime.runner import ModelRunner
+from specdec.runtime.session_runner import SessionRunner
 from specdec.runtime.worker import ModelWorker
 
 
 def serve_model(config, kind: str, default_port: int, servicer, add_to_server, service_name: str,
-                runner: ModelRunner, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
+                runner: SessionRunner, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
                 interceptors: Sequence[grpc.aio.ServerInterceptor], timed: dict[str, str]
                 ) -> tuple[BackgroundServer, int]:
     """Start the server with Prometheus metrics on --metrics-port (when set); `timed` maps the

@@ -107,6 +107,14 @@ class KVBuffer:
             data[:, :, :, :held].copy_(self.data[:, :, :, :held])
         self.data = data
 
+    def crop(self, held: int, length: int) -> bool:
+        """Keep the first `length` positions: nothing to do (positions past the token count are
+        overwritten by the next append)."""
+        return True
+
+    def close(self) -> None:
+        """The session is dropped: nothing to do (the tensor is freed with the object)."""
+
 
 class DynamicKV:
     """Fallback for caches a buffer cannot hold: a transformers DynamicCache (grown by concatenation)."""
@@ -131,11 +139,15 @@ class DynamicKV:
         self.cache.crop(length - held)  # transformers >= 5: a negative count removes that many tokens
         return True
 
+    def close(self) -> None:
+        """The session is dropped: nothing to do (the tensors are freed with the object)."""
+
 
 @dataclass
 class SessionCache:
-    """The K/V of one session (`kv`: a KVBuffer or a DynamicKV), the token ids it holds and their
-    prefix fingerprints. The first len(tokens) positions of `kv` are valid."""
+    """The K/V of one session (`kv`: a KVBuffer, a DynamicKV or an engine's own, with nbytes,
+    crop and close), the token ids it holds and their prefix fingerprints. The first
+    len(tokens) positions of `kv` are valid."""
 
     kv: Any
     tokens: array = field(default_factory=lambda: array("i"))
@@ -163,7 +175,7 @@ class SessionCache:
         held = len(self.tokens)
         if held <= length:
             return True
-        if isinstance(self.kv, DynamicKV) and not self.kv.crop(held, length):
+        if not self.kv.crop(held, length):
             return False
         del self.tokens[length:]
         self.hashes.truncate(length)
@@ -215,6 +227,7 @@ class SessionCaches:
         entry = self._entries.pop(session_id)
         self._bytes -= entry.accounted
         entry.accounted, entry.kept = 0, False
+        entry.kv.close()
         return entry
 
     def release(self, session_id: str) -> bool:

@@ -1,51 +1,41 @@
-"""Run a causal LM over sessions: roll back, append tokens, return logits.
+"""The torch engine: run a transformers causal LM over sessions and return logits.
 
 `forward_batch` runs several sessions in ONE forward over their K/V buffers (a ragged batch,
 see batch_cache.py); models whose cache cannot live in buffers run the rows one by one.
-A runner is driven by one model worker thread (specdec/runtime/worker.py), so its methods
-never run concurrently and need no lock. Long inputs are prefilled in chunks
-(`prefill_step`), each a separate worker task, so one long prompt does not hold the model
-for every other session.
+Rollback, chunked prefill and the cache bounds are the engine-independent half
+(session_runner.py). Long inputs are prefilled in chunks (`prefill_step`), each a separate
+worker task, so one long prompt does not hold the model for every other session.
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
-from specdec.errors import CacheMiss, InvalidArgument, ResourceExhausted
-from specdec.logtag import session_tag
+from specdec.errors import ResourceExhausted
 from specdec.runtime import batch_cache
-from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches, common_prefix
+from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
 from specdec.tokenizer import tokenizer_fingerprint
-from specdec.types import ModelDescription, Quantization
+from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.types import ModelDescription
+
+__all__ = ["ModelRunner", "Row"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Row:
-    """One session's part of a forward: append `tokens`, return the last keep_logits logits."""
-
-    session_id: str
-    entry: SessionCache
-    tokens: Sequence[int]
-    keep_logits: int
-
-
-class ModelRunner:
-    """One model, many sessions."""
+class ModelRunner(SessionRunner):
+    """One transformers model, many sessions."""
 
     def __init__(self, loaded: LoadedModel, caches: SessionCaches, max_speculative_tokens: int,
                  prefill_chunk: int = 512):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
+        self.tokenizer = loaded.tokenizer
         self.caches = caches
         self.prefill_chunk = max(1, prefill_chunk)
         self.tokens_run = 0  # tokens forwarded since start (prefill work included)
@@ -93,95 +83,6 @@ class ModelRunner:
     def new_entry(self) -> SessionCache:
         """An empty session cache of the kind this model uses."""
         return SessionCache(DynamicKV() if self.kv_spec is None else KVBuffer(self.kv_spec))
-
-    # ---- validation (no cache access) -----------------------------------------------------
-
-    def check_request(self, session_id: str, prefix_len: int, new_tokens: Sequence[int], extra: int) -> None:
-        """Validate a call's shape before touching any cache."""
-        if not session_id:
-            raise InvalidArgument("session_id is required")
-        if prefix_len < 0:
-            raise InvalidArgument(f"prefix_len must be >= 0, got {prefix_len}")
-        if not new_tokens:
-            raise InvalidArgument("new_tokens must hold at least one token")
-        self.check_token_ids(new_tokens, "new_tokens")
-        total = prefix_len + len(new_tokens) + extra
-        if total > self.context_length:
-            raise InvalidArgument(
-                f"sequence of {total} tokens exceeds the model context of {self.context_length}"
-            )
-
-    def check_token_ids(self, ids: Sequence[int], what: str) -> None:
-        if ids and not (0 <= min(ids) and max(ids) < self.embedding_size):
-            bad = [t for t in ids if not 0 <= t < self.embedding_size]
-            raise InvalidArgument(
-                f"{what} holds ids outside the vocabulary [0, {self.embedding_size}): {bad[:5]}"
-            )
-
-    def needs_prefill_steps(self, new_tokens: Sequence[int]) -> bool:
-        """True when the input is long enough to be prefilled in several worker tasks."""
-        return len(new_tokens) > self.prefill_chunk
-
-    # ---- session state (worker thread only) -----------------------------------------------
-
-    def _held(self, session_id: str, prefix_len: int, prefix_hash: int) -> SessionCache:
-        """The session's cache, checked to hold the assumed prefix; CacheMiss otherwise."""
-        entry = self.caches.get(session_id)
-        if entry is None or not entry.holds(prefix_len, prefix_hash):
-            raise CacheMiss(session_id, 0 if entry is None else len(entry), prefix_len)
-        return entry
-
-    def _reusing(self, session_id: str, sequence: Sequence[int], limit: int) -> SessionCache:
-        """The session's cache cropped to its longest common prefix with sequence[:limit]
-        (a fresh cache when nothing is shared)."""
-        entry = self.caches.get(session_id)
-        keep = 0 if entry is None else common_prefix(entry.tokens, sequence[:limit])
-        if entry is None or keep == 0 or not entry.crop(keep):
-            entry = self.new_entry()
-            self.caches.put(session_id, entry)
-        return entry
-
-    def begin(self, session_id: str, prefix_len: int, prefix_hash: int,
-              new_tokens: Sequence[int]) -> tuple[SessionCache, Sequence[int]]:
-        """Roll the session back to what the call assumes: (cache, tokens still to run).
-
-        prefix_len 0 assumes nothing: the call carries the whole history and the cache keeps
-        whatever prefix of it it already holds (a resend after a timeout or a cache miss
-        reuses the finished work). The last token is always run again, for its logits.
-        """
-        if prefix_len == 0:
-            entry = self._reusing(session_id, new_tokens, len(new_tokens) - 1)
-            return entry, new_tokens[len(entry):]
-        entry = self._held(session_id, prefix_len, prefix_hash)
-        if not entry.crop(prefix_len):
-            raise CacheMiss(session_id, len(entry), prefix_len)
-        return entry, new_tokens
-
-    def held_prefix(self, session_id: str, prefix_len: int, prefix_hash: int) -> array:
-        """The first prefix_len tokens the session holds, checked against the fingerprint."""
-        if prefix_len == 0:
-            return array("i")
-        return self._held(session_id, prefix_len, prefix_hash).tokens[:prefix_len]
-
-    def prefill_step(self, session_id: str, sequence: Sequence[int], upto: int) -> tuple[int, int]:
-        """Advance the session towards holding sequence[:upto] by at most one chunk.
-
-        Safe to interleave with other calls on the session: each step starts from the longest
-        common prefix of what the cache holds. Returns (tokens held, their fingerprint).
-        """
-        entry = self._reusing(session_id, sequence, upto)
-        held = len(entry)
-        if held < upto:
-            self.forward(session_id, entry, sequence[held:min(held + self.prefill_chunk, upto)], 1)
-        self.finish(session_id)
-        return len(entry), entry.hashes.at(len(entry))
-
-    def forward(self, session_id: str, entry: SessionCache, tokens: Sequence[int],
-                keep_logits: int) -> torch.Tensor:
-        """Append tokens to one session; float32 logits of its last keep_logits positions.
-
-        -> [keep_logits, vocab]."""
-        return self.forward_batch([Row(session_id, entry, tokens, keep_logits)])[0]
 
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[Row]) -> list[torch.Tensor]:
@@ -245,25 +146,3 @@ class ModelRunner:
             batch_cache.scatter(kv, buffers, pasts, lengths)
         logits = out.logits.float()  # [B, keep, vocab]
         return [logits[b, keep - row.keep_logits:] for b, row in enumerate(rows)]
-
-    def finish(self, keep: str | Iterable[str], extra_bytes: int = 0) -> None:
-        """Apply the cache bounds after a call (never evicting the sessions just used), or before
-        a forward that grows buffers by extra_bytes."""
-        evicted = self.caches.enforce_limits(keep=keep, extra_bytes=extra_bytes)
-        if evicted:
-            log.info("evicted %d session cache(s): %s", len(evicted), [session_tag(s) for s in evicted])
-
-    def release(self, session_id: str) -> bool:
-        """Forget a session's cache. Never waits for the model: a forward running on it keeps
-        its own reference and the memory is freed when it ends."""
-        return self.caches.release(session_id)
-
-
-def runner_from_config(config) -> ModelRunner:
-    """Load the model of a ModelServiceConfig and wrap it in a runner with its cache bounds."""
-    from specdec.runtime.loader import load_model
-
-    loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
-                        getattr(config, "quantize", Quantization.NONE))
-    caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
-    return ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)

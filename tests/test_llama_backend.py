@@ -1,0 +1,232 @@
+"""The llama.cpp engine under the torch engine's exactness tests.
+
+Tiny random Llama checkpoints written as float32 GGUF files; every service runs them through
+llama-cpp-python. Greedy speculative output equals greedy target-only output through the same
+engine, token for token, alone and batched; sampled output follows the target's distribution
+(computed from the llama.cpp target's own logits); rollback, eviction and cache misses; and a
+mixed deployment (a torch draft, a llama.cpp target) accepted when the vocabularies agree and
+refused when they do not.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import tiny
+from specdec.runtime.engines import resolve_backend
+from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
+from specdec.runtime.session_runner import Row
+from specdec.sampling import target_probs
+from specdec.tokenizer import ModelLoadError
+from specdec.types import Backend, SamplingParams
+from tests.cluster import Cluster
+from tests.gguf_writer import write_llama_gguf
+from specdec.v1 import coordinator_pb2
+from tests.test_sampling import chi2_pvalue
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Le café est très chaud", "A target verifies 🚀"]
+NEW_TOKENS = 24
+NONE, DRAFT = coordinator_pb2.PROPOSER_NONE, coordinator_pb2.PROPOSER_DRAFT
+# llama.cpp's float32 kernels differ with the batch shape: logits agree to about 1e-4 of their range
+TOLERANCE = 1e-3
+LLAMA = {"backend": "llama.cpp", "kv_cache_type": "f32", "kv_cache_tokens": 4096}
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(models, tmp_path_factory):
+    """The tiny Llama target and draft of `models`, as float32 GGUF files."""
+    root = tmp_path_factory.mktemp("gguf")
+    return {role: str(write_llama_gguf(models["llama"][role], root / f"{role}.gguf")) for role in ("target", "draft")}
+
+
+@pytest.fixture(scope="module")
+def runner(gguf_pair):
+    runner = LlamaRunner(gguf_pair["target"], 8, 1 << 30, 16, 512,
+                         LlamaOptions(kv_cache_type="f32", kv_cache_tokens=1024))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def llama_pair_cluster(gguf_pair):
+    with Cluster(gguf_pair["draft"], gguf_pair["target"], draft=LLAMA, target=LLAMA) as cluster:
+        yield cluster
+
+
+def _ids(runner, text: str) -> list[int]:
+    return runner.tokenizer(text)["input_ids"]
+
+
+def _fresh(runner, session_id: str):
+    runner.release(session_id)
+    runner.finish(())  # a finished call: the released sequence is cleared
+    entry = runner.new_entry()
+    runner.caches.put(session_id, entry)
+    return entry
+
+
+@pytest.mark.unit
+def test_backend_choice():
+    assert resolve_backend("auto", "m.gguf", llama_cpp_available=True) == Backend.LLAMA_CPP
+    assert resolve_backend("auto", "m.gguf", llama_cpp_available=False) == Backend.TORCH
+    assert resolve_backend("auto", "some/dir", llama_cpp_available=True) == Backend.TORCH
+    assert resolve_backend("torch", "m.gguf") == Backend.TORCH
+    with pytest.raises(ModelLoadError, match="serves a .gguf file"):
+        resolve_backend("llama.cpp", "some/dir")
+    with pytest.raises(ModelLoadError, match="unknown backend"):
+        resolve_backend("onnx", "m.gguf")
+
+
+@pytest.mark.unit
+def test_batched_sequences_and_rollback_agree_with_one_session(runner):
+    ids = _ids(runner, " ".join(PROMPTS))
+    assert len(ids) >= 10
+    alone = runner.forward("a", _fresh(runner, "a"), ids, len(ids))  # [n, vocab]
+    assert alone.shape == (len(ids), runner.vocab_size) and alone.dtype == torch.float32
+    # token by token (what target-only decoding runs) against the one forward (what verification runs)
+    entry = _fresh(runner, "b")
+    stepped = torch.cat([runner.forward("b", entry, [t], 1) for t in ids])
+    assert torch.allclose(stepped, alone, atol=TOLERANCE * float(alone.abs().max()))
+    # two sessions of different lengths in one decode
+    first, second = _fresh(runner, "c"), _fresh(runner, "d")
+    together = runner.forward_batch([Row("c", first, ids, len(ids)), Row("d", second, ids[:5], 2)])
+    assert torch.allclose(together[0], alone, atol=TOLERANCE * float(alone.abs().max()))
+    assert torch.allclose(together[1], alone[3:5], atol=TOLERANCE * float(alone.abs().max()))
+    # rollback: drop the last positions, run other tokens, then the original ones again
+    assert first.crop(4) and len(first) == 4
+    other = runner.forward("c", first, [7, 8, 9], 3)
+    assert not torch.allclose(other, alone[4:7])
+    assert first.crop(4)
+    again = runner.forward("c", first, ids[4:], len(ids) - 4)
+    assert torch.allclose(again, alone[4:], atol=TOLERANCE * float(alone.abs().max()))
+    assert runner.tokens_run > 0 and len(runner.caches) == 4
+
+
+@pytest.mark.unit
+def test_released_and_evicted_sequences_are_reused(gguf_pair):
+    runner = LlamaRunner(gguf_pair["target"], 3, 1 << 30, 16, 512,
+                         LlamaOptions(kv_cache_type="f32", kv_cache_tokens=256))
+    try:
+        free = len(runner.free)
+        ids = list(range(1, 41))
+        for name in "abcd":  # four sessions, at most three kept
+            entry, feed = runner.begin(name, 0, 0, ids)
+            runner.forward(name, entry, feed, 1)
+            runner.finish(name)
+        assert "a" not in runner.caches and len(runner.caches) == 3
+        assert len(runner.free) == free - 3  # the evicted one's sequence is free again
+        assert runner.release("b")
+        runner.finish(())
+        assert len(runner.free) == free - 2
+        # 256 cells: a 230-token session evicts the two others (40 tokens each) rather than overflow
+        entry, feed = runner.begin("big", 0, 0, list(range(1, 231)))
+        runner.forward("big", entry, feed, 1)
+        runner.finish("big")
+        assert list(runner.caches._entries) == ["big"]
+        assert runner.caches.total_bytes() == 230 * runner.bytes_per_token
+    finally:
+        runner.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_speculation_equals_target_only_through_llama_cpp(llama_pair_cluster, gamma):
+    for prompt in PROMPTS:
+        plain = llama_pair_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=NONE,
+                                            ignore_eos=True)
+        assert plain.stats.draft_tokens == 0 and len(plain.token_ids) == NEW_TOKENS
+        spec = llama_pair_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=DRAFT,
+                                           num_speculative_tokens=gamma, ignore_eos=True)
+        assert list(spec.token_ids) == list(plain.token_ids), prompt
+        assert spec.stats.draft_tokens > 0
+
+
+@pytest.mark.e2e
+def test_batched_sessions_match_their_runs_alone(llama_pair_cluster):
+    """Eight concurrent requests share the services' batched decodes; each gets its own output."""
+    expected = {p: list(llama_pair_cluster.complete(prompt=p, max_new_tokens=NEW_TOKENS, proposer=NONE,
+                                                    ignore_eos=True).token_ids) for p in PROMPTS}
+    jobs = [(p, g) for p in PROMPTS for g in (2, 4)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        done = list(pool.map(lambda job: llama_pair_cluster.complete(
+            prompt=job[0], max_new_tokens=NEW_TOKENS, num_speculative_tokens=job[1], ignore_eos=True), jobs))
+    for (prompt, _), response in zip(jobs, done):
+        assert list(response.token_ids) == expected[prompt], prompt
+
+
+@pytest.mark.e2e
+def test_cache_misses_resend_and_keep_the_output(gguf_pair):
+    with Cluster(gguf_pair["draft"], gguf_pair["target"], draft=LLAMA, target=LLAMA) as cluster:
+        expected = list(cluster.complete(prompt=PROMPTS[1], max_new_tokens=NEW_TOKENS, proposer=NONE,
+                                         ignore_eos=True).token_ids)
+        first = cluster.complete(prompt=PROMPTS[1], max_new_tokens=8, num_speculative_tokens=3,
+                                 ignore_eos=True)
+        cluster.restart_target()  # every target cache is gone
+        cluster.restart_draft()
+        rest = cluster.complete(max_new_tokens=NEW_TOKENS - 8, num_speculative_tokens=3, ignore_eos=True,
+                                session_id=first.session_id)
+        assert list(first.token_ids) + list(rest.token_ids) == expected
+
+
+def _exact_first_two(runner: LlamaRunner, prompt: list[int], params: SamplingParams):
+    """P(token 1) and P(token 2) = Σ_t P(t) P(token 2 | t), from the llama.cpp target's logits."""
+    p1 = target_probs(runner.forward("p", _fresh(runner, "p"), prompt, 1), params)[0].double()  # [vocab]
+    p2 = torch.zeros_like(p1)
+    for token in torch.nonzero(p1 > 0).flatten().tolist():
+        logits = runner.forward("p", _fresh(runner, "p"), [*prompt, token], 1)
+        p2 += p1[token] * target_probs(logits, params)[0].double()
+    return p1.numpy(), p2.numpy()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=6),
+                                    SamplingParams(temperature=1.5, top_k=10, top_p=0.95)],
+                         ids=["t0.8-topk6", "t1.5-topk10-topp0.95"])
+def test_sampled_tokens_follow_the_llama_cpp_target(llama_pair_cluster, runner, params):
+    prompt = _ids(runner, "ab")
+    p1, p2 = _exact_first_two(runner, prompt, params)
+    samples = 600
+    counts1, counts2 = np.zeros(len(p1)), np.zeros(len(p1))
+    accepted = 0
+    for seed in range(samples):
+        response = llama_pair_cluster.complete(
+            token_ids=prompt, max_new_tokens=2, num_speculative_tokens=2, proposer=DRAFT,
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p if params.top_p < 1 else None,
+            seed=seed, ignore_eos=True)
+        first, second = response.token_ids
+        counts1[first] += 1
+        counts2[second] += 1
+        accepted += response.stats.accepted_tokens
+    assert 0 < accepted < 2 * samples  # a different draft: some drafts accepted, some not
+    for counts, probs in ((counts1, p1), (counts2, p2)):
+        support = probs > 1e-9
+        assert counts[~support].sum() == 0, "a token outside the warped support was produced"
+        assert chi2_pvalue(counts[support], probs[support]) > 1e-3, (counts, probs * samples)
+
+
+@pytest.mark.e2e
+def test_torch_draft_with_llama_cpp_target_is_exact(models, gguf_pair, llama_pair_cluster):
+    """A mixed deployment: the draft on torch (its checkpoint directory), the target on llama.cpp."""
+    with Cluster(models["llama"]["draft"], gguf_pair["target"], dtype="float32", target=LLAMA) as mixed:
+        for prompt in PROMPTS[:2]:
+            expected = llama_pair_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=NONE,
+                                                   ignore_eos=True)
+            response = mixed.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=DRAFT,
+                                      num_speculative_tokens=3, ignore_eos=True)
+            assert list(response.token_ids) == list(expected.token_ids)
+            assert response.stats.draft_tokens > 0
+
+
+@pytest.mark.service
+def test_llama_cpp_draft_of_another_vocabulary_is_refused(models, tmp_path):
+    from tests.test_compat import _permuted, _startup_error
+
+    permuted = _permuted(tiny.byte_level_tokenizer(), 200, 201)  # two ids swapped
+    other = tiny.build_model(tmp_path / "other", permuted, "llama", seed=5, layers=1)
+    draft = str(write_llama_gguf(other, tmp_path / "other.gguf"))
+    message = _startup_error(draft, models["llama"]["target"], LLAMA)
+    assert "different tokenizers" in message and repr(draft) in message
