@@ -174,11 +174,16 @@ def main() -> int:
         wanted = args.prompts.split(",")
         prompts = [p for p in PROMPTS if p.name in wanted]
     draft_path, target_path = model_paths(args)
-    hf_target = load_model(target_path, args.dtype, args.device)
-    hf_draft = load_model(draft_path, args.dtype, args.device, quantize=args.draft_quantize)
-    for loaded in (hf_target, hf_draft):
-        loaded.model.generation_config.eos_token_id = None
-    peers = {} if args.no_hf else hf_methods(hf_draft.model)
+    if args.no_hf:  # the tokenizer only (a .gguf file would be dequantised for nothing)
+        from specdec.tokenizer import load_tokenizer
+
+        tokenizer, hf_target, peers = load_tokenizer(target_path), None, {}
+    else:
+        hf_target = load_model(target_path, args.dtype, args.device)
+        hf_draft = load_model(draft_path, args.dtype, args.device, quantize=args.draft_quantize)
+        for loaded in (hf_target, hf_draft):
+            loaded.model.generation_config.eos_token_id = None
+        tokenizer, peers = hf_target.tokenizer, hf_methods(hf_draft.model)
     if args.quick:
         peers.pop(next((m for m in peers if "γ=" in m), ""), None)
     ours = specdec_methods(args.quick)
@@ -188,7 +193,7 @@ def main() -> int:
     try:
         with grpc.insecure_channel(f"127.0.0.1:{args.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            warm = chat_ids(hf_target.tokenizer, prompts[0])
+            warm = chat_ids(tokenizer, prompts[0])
             for fields in ours.values():  # warm-up: caches, allocators, the shared cost model
                 run_specdec(stub, warm, 16, fields)
             for _ in range(args.settle):  # a coordinator that has run a while: its verdicts are in
@@ -196,7 +201,7 @@ def main() -> int:
             for run in peers.values():
                 run(hf_target.model, warm, 16)
             for prompt in prompts:
-                ids = chat_ids(hf_target.tokenizer, prompt)
+                ids = chat_ids(tokenizer, prompt)
                 tries: dict[str, list] = {name: [] for name in method_names}
                 for _ in range(args.repeats):  # methods interleaved: slow drifts hit them alike
                     for name, fields in ours.items():
