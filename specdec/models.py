@@ -259,15 +259,14 @@ def fetch_one(artifact: Artifact, root: Path | None = None, source: str = "auto"
 
 
 def fetch_pair(root: Path | None = None, source: str = "auto", dtype: str = "bfloat16",
-               echo=print, keep_gguf: bool = True) -> dict[str, Path]:
-    """Fetch both models; prints each converted directory and, with keep_gguf, each verified
-    Q4_K_M file beside it (what `--backend llama.cpp` serves)."""
+               echo=print) -> dict[str, Path]:
+    """Fetch both models; prints each converted directory and each verified Q4_K_M file beside
+    it (what `--backend llama.cpp` serves)."""
     dirs = {a.role: fetch_one(a, root, source, dtype, echo) for a in PAIR}
-    files = {a.role: ensure_gguf(a, root, echo) for a in PAIR} if keep_gguf else {}
+    files = {a.role: ensure_gguf(a, root, echo) for a in PAIR}
     for role, directory in dirs.items():
         echo(f"{role}: {directory}")
-        if role in files:
-            echo(f"{role} gguf: {files[role]}")
+        echo(f"{role} gguf: {files[role]}")
     return dirs
 
 

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 
 from specdec.runtime.session_runner import SessionRunner
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend, Quantization
-
-log = logging.getLogger(__name__)
 
 
 def llama_cpp_installed() -> bool:

@@ -18,11 +18,11 @@ from specdec.errors import ResourceExhausted
 from specdec.runtime import batch_cache
 from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
-from specdec.tokenizer import tokenizer_fingerprint
 from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
 
-__all__ = ["ModelRunner", "Row"]
+__all__ = ["ModelRunner", "Row"]  # Row: importers that predate session_runner.py
 
 log = logging.getLogger(__name__)
 
