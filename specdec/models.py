@@ -263,10 +263,15 @@ def fetch_pair(root: Path | None = None, source: str = "auto", dtype: str = "bfl
     """Fetch both models; prints each converted directory and each verified Q4_K_M file beside
     it (what `--backend llama.cpp` serves)."""
     dirs = {a.role: fetch_one(a, root, source, dtype, echo) for a in PAIR}
-    files = {a.role: ensure_gguf(a, root, echo) for a in PAIR}
+    files: dict[str, Path] = {}
+    try:
+        files = {a.role: ensure_gguf(a, root, echo) for a in PAIR}
+    except FetchError as exc:  # the directories are there: the torch engine can serve them
+        echo(f"the GGUF files could not be fetched, so only --backend torch can serve the pair: {exc}")
     for role, directory in dirs.items():
         echo(f"{role}: {directory}")
-        echo(f"{role} gguf: {files[role]}")
+        if role in files:
+            echo(f"{role} gguf: {files[role]}")
     return dirs
 
 

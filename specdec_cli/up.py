@@ -49,13 +49,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def models_of(args: argparse.Namespace) -> tuple[str, str]:
     """(draft, target): the flags', else the fetched default pair's: its GGUF files where the
-    backend is llama.cpp (or auto with llama-cpp-python installed), else its directories."""
-    from specdec.models import FetchError, default_gguf_pair, default_pair
+    backend is llama.cpp (or auto with llama-cpp-python installed and the files fetched), else
+    its directories."""
+    from specdec.models import PAIR, FetchError, default_gguf_pair, default_pair, gguf_verified
     from specdec.runtime.engines import llama_cpp_installed
 
     draft_model, target_model = args.draft_model, args.target_model
     if not (draft_model and target_model):
-        native = args.backend == Backend.LLAMA_CPP or (args.backend == Backend.AUTO and llama_cpp_installed())
+        native = args.backend == Backend.LLAMA_CPP or (
+            args.backend == Backend.AUTO and llama_cpp_installed() and all(gguf_verified(a) for a in PAIR))
         try:
             pair = default_gguf_pair() if native else default_pair()
         except FetchError as exc:

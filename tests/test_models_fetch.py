@@ -105,3 +105,30 @@ def test_eos_ids_keep_other_ids_and_create_a_missing_generation_config(tmp_path)
     (directory / "generation_config.json").unlink()
     assert models.ensure_eos_token_ids(directory, (7, 9))
     assert _eos(directory) == [7, 9, 0]  # the model config's eos (0) is kept too
+
+
+def test_up_serves_the_gguf_files_where_fetched_else_the_directories(tmp_path, monkeypatch):
+    import argparse
+
+    from specdec_cli.up import models_of
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    for artifact in models.PAIR:
+        directory = models.model_dir(artifact)
+        directory.mkdir(parents=True)
+        (directory / models.MANIFEST).write_text('{"files": {}}')
+
+    def pick(backend):
+        return models_of(argparse.Namespace(draft_model="", target_model="", backend=backend))
+
+    dirs = tuple(str(models.model_dir(a)) for a in models.PAIR)
+    assert pick("auto") == dirs  # no GGUF files yet: the directories, on torch
+    with pytest.raises(SystemExit, match="GGUF files are not fetched"):
+        pick("llama.cpp")
+    for artifact in models.PAIR:  # a verified file: its pinned size (sparse here) and recorded sha256
+        with open(models.gguf_path(artifact), "wb") as handle:
+            handle.truncate(artifact.size)
+        models.gguf_path(artifact).with_name(models.gguf_path(artifact).name + ".sha256").write_text(artifact.sha256)
+    files = tuple(str(models.gguf_path(a)) for a in models.PAIR)
+    assert pick("auto") == files and pick("llama.cpp") == files
+    assert pick("torch") == dirs
