@@ -44,6 +44,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                    "resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}},
                    "nodeSelector": {"pool": "gpu-large"}, "tolerations": [GPU_TOLERATION]},
     },
+    "gguf": {
+        "draft": {"model": {"name": "/models/draft-q4_k_m.gguf", "backend": "llama.cpp", "threads": 2,
+                            "kvCacheType": "q8_0"}},
+        "target": {"model": {"name": "/models/target-q4_k_m.gguf", "backend": "llama.cpp", "threads": 4}},
+        "modelVolume": {"existingClaim": "specdec-models"},
+    },
     "external-redis": {
         "redis": {"enabled": False, "external": {"url": "rediss://redis.db.internal:6380/2",
                                                   "existingSecret": "ext-redis", "key": "password"}},
@@ -205,6 +211,9 @@ def test_lint_is_clean(name):
     ({"apiKey": {"enabled": True}}, "/apiKey/existingSecret"),
     ({"target": {"model": {"dtype": "int4"}}}, "/target/model/dtype"),
     ({"draft": {"resources": {"limits": {"cpu": "lots"}}}}, "/draft/resources/limits/cpu"),
+    ({"draft": {"model": {"backend": "onnx"}}}, "/draft/model/backend"),
+    ({"target": {"model": {"threads": -1}}}, "/target/model/threads"),
+    ({"target": {"model": {"kvCacheType": "q4_0"}}}, "/target/model/kvCacheType"),
 ])
 def test_schema_rejects_bad_values(chart, values, where):
     with pytest.raises(helm.HelmValuesError) as info:
@@ -412,6 +421,17 @@ def test_gpu_values_put_target_and_draft_on_their_pools(rendered):
     assert "nodeSelector" not in coordinator["spec"]["template"]["spec"]
     defaults = rendered["defaults"]
     assert "nvidia.com/gpu" not in container(defaults.one("Deployment", "target"))["resources"]["limits"]
+
+
+def test_gguf_values_serve_the_files_through_llama_cpp(rendered):
+    r = rendered["gguf"]
+    draft, target = (container(r.one("Deployment", tier))["args"] for tier in ("draft", "target"))
+    assert {"--model=/models/draft-q4_k_m.gguf", "--backend=llama.cpp", "--threads=2",
+            "--kv-cache-type=q8_0"} <= set(draft)
+    assert {"--model=/models/target-q4_k_m.gguf", "--backend=llama.cpp", "--threads=4",
+            "--kv-cache-type=f16"} <= set(target)
+    defaults = container(rendered["defaults"].one("Deployment", "target"))["args"]
+    assert {"--backend=auto", "--threads=0"} <= set(defaults)
 
 
 def test_a_disabled_tier_renders_nothing(rendered):

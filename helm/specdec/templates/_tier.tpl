@@ -58,8 +58,11 @@ spec:
             - --host=0.0.0.0
             - {{ printf "--port=%d" (int $v.service.port) | quote }}
             - {{ printf "--model=%s" $v.model.name | quote }}
+            - {{ printf "--backend=%s" $v.model.backend | quote }}
             - {{ printf "--dtype=%s" $v.model.dtype | quote }}
             - {{ printf "--device=%s" $v.model.device | quote }}
+            - {{ printf "--threads=%d" (int $v.model.threads) | quote }}
+            - {{ printf "--kv-cache-type=%s" $v.model.kvCacheType | quote }}
             - {{ printf "--max-sessions=%d" (int64 $v.model.maxSessions) | quote }}
             - {{ printf "--kv-cache-bytes=%d" (int64 $v.model.kvCacheBytes) | quote }}
             - {{ printf "--metrics-port=%d" (int $root.Values.metrics.port) | quote }}
