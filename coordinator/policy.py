@@ -34,6 +34,12 @@ estimate, forgetting per round, dips after a few rejections in a row; so once th
 coordinator-wide draft α has warmed up, a session's draft α keeps `draft_prior_weight` trials
 of it (prompt lookup's stays the session's own: a rewrite and new text differ by far).
 
+Verification's cost at one token is measured, not assumed: while every recent round verified
+the same number of tokens (the warm-up's, then the winner's γ + 1) the fit cannot tell a flat
+verification from one that grows with its tokens, so an adaptive round then decodes plainly
+once ("cost-probe"); the plain round's weight in the fit then decays like any other's, so at
+a steady γ this repeats every few dozen rounds.
+
 Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
 `default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
 `probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
@@ -170,6 +176,14 @@ class LinearFit:
         coefficients = self.coefficients()
         return None if coefficients is None else coefficients[0] + coefficients[1] * x
 
+    def constant_x(self) -> float | None:
+        """The x of every recent observation when x has (almost) not varied lately, so the slope
+        is the `degenerate` guess; None when it has varied (or nothing was observed)."""
+        if self.w <= 0:
+            return None
+        mx = self.sx / self.w
+        return mx if self.sxx / self.w - mx * mx < self.MIN_VARIANCE else None
+
 
 class CostModel:
     """Round timings: t_verify(n tokens) and, per source, t_propose(γ). One per coordinator can
@@ -182,6 +196,14 @@ class CostModel:
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.observe(tokens, seconds)
+
+    def needs_verify_probe(self) -> bool:
+        """Whether every recent verification took the same number of tokens, more than a plain
+        step's, so the fit cannot tell what one plain step costs (it assumes as much: verification
+        is flat). On an engine whose verification grows with its tokens (llama.cpp on a CPU) that
+        guess makes every round of speculation look like a win; a plain round measures it."""
+        x = self.verify.constant_x()
+        return x is not None and x > 1.5
 
     def observe_propose(self, source: Proposer, gamma: int, seconds: float) -> None:
         self.propose[source].observe(gamma, seconds)
@@ -249,7 +271,7 @@ class Choice:
 
     source: Proposer   # DRAFT | NGRAM | NONE
     gamma: int         # tokens to propose (0 exactly when source is "none")
-    reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
+    reason: str        # "best" | "warmup" | "probe" | "cost-probe" | "override" | "unavailable"
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
 
     def __iter__(self) -> Iterator:
@@ -278,6 +300,8 @@ class SessionPolicy:
         self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), c.probe_interval)
                         for s in SOURCES}
         self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
+        self._rounds = 0  # rounds chosen
+        self._cost_probed = -c.probe_interval  # the round of the last cost probe
 
     def alpha(self, source: Proposer) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round).
@@ -386,11 +410,16 @@ class SessionPolicy:
         return caps
 
     def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None) -> Choice | None:
-        """Warm-up of a source without enough data, or a probe of one left unused too long."""
+        """Warm-up of a source without enough data, then a plain round when the verify fit does
+        not know what plain decoding costs, or a probe of a source left unused too long."""
         c = self.config
         for source, cap in caps.items():
             if self.sources[source].acceptance.rounds < c.warmup_rounds:
                 return Choice(source, min(fixed_gamma or c.default_gamma, cap), "warmup")
+        if (fixed_gamma is None and self._rounds - self._cost_probed >= c.probe_interval
+                and self.costs.needs_verify_probe()):
+            self._cost_probed = self._rounds  # at most one per probe_interval, timed or not
+            return Choice(Proposer.NONE, 0, "cost-probe")
         for source, cap in caps.items():
             state = self.sources[source]
             if state.idle >= state.probe_interval:
@@ -425,6 +454,7 @@ class SessionPolicy:
 
     def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
         """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""
+        self._rounds += 1
         for source in caps:
             state = self.sources[source]
             state.idle = 0 if source == choice.source else state.idle + 1

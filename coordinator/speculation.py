@@ -42,6 +42,9 @@ class FixedCosts(CostModel):
         super().__init__()
         self.cost_ratio = cost_ratio
 
+    def needs_verify_probe(self) -> bool:
+        return False  # the costs are given
+
     def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
         c = self.cost_ratio if source == Proposer.DRAFT else 0.0
         return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
