@@ -39,10 +39,11 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
     if not config.model:
         raise SystemExit(f"specdec serve {kind}: --model is required (env SPECDEC_{kind.upper()}_MODEL)")
     try:
-        server, port, _ = start(config)
+        server, port, servicer = start(config)
     except (ModelLoadError, CredentialsError, OSError) as exc:
         raise SystemExit(f"specdec serve {kind}: {exc}")
-    print(f"{kind} service ready on {config.host}:{port} ({config.model}, {config.dtype}, {config.device})",
+    served = servicer.description  # what the engine loaded: a GGUF's own type, llama.cpp's device
+    print(f"{kind} service ready on {config.host}:{port} ({config.model}, {served.dtype}, {served.device})",
           flush=True)
     stopped = threading.Event()
 
