@@ -40,6 +40,11 @@ verification from one that grows with its tokens, so an adaptive round then deco
 once ("cost-probe"); the plain round's weight in the fit then decays like any other's, so at
 a steady γ this repeats every few dozen rounds.
 
+A source that cannot pay even if every token it proposed were accepted — each round of γ
+costs at least γ + 1 plain steps, as a draft whose step costs more than a verified token saves
+(llama.cpp on a CPU, where verification grows with its tokens) — is probed only every
+`max_probe_interval` rounds, and the draft is not sent a request's prompt ahead of use.
+
 Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
 `default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
 `probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
@@ -136,7 +141,9 @@ class AcceptanceEstimate:
 class LinearFit:
     """y ≈ a + b·x by exponentially weighted least squares (a, b >= 0).
 
-    While x has (almost) not varied the slope is unknown: `degenerate` says what to assume —
+    While x has (almost) not varied lately the slope is the one last measured (the data's spread
+    decays away while, say, every round decodes plainly, but the engine's cost per token stays);
+    before any was measured `degenerate` says what to assume —
     "flat" (b = 0, y = mean) or "proportional" (a = 0, y = mean·x / mean_x). A fit with a
     negative intercept is noise, not a cost (no call takes negative time with no tokens): it gets
     the same assumption. (A verify fit falling back to "proportional" there would price every
@@ -151,23 +158,36 @@ class LinearFit:
             raise ValueError(f"degenerate must be flat or proportional, got {degenerate!r}")
         self.decay, self.degenerate = decay, degenerate
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.slope: float | None = None  # the last slope measured while x varied
 
     def observe(self, x: float, y: float) -> None:
         d = self.decay
         self.w, self.sx, self.sy = self.w * d + 1.0, self.sx * d + x, self.sy * d + y
         self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+        measured = self._measured()
+        if measured is not None:
+            self.slope = measured[1]
+
+    def _measured(self) -> tuple[float, float] | None:
+        """(a, b) from the data alone: None while x has not varied or the intercept is negative."""
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var < self.MIN_VARIANCE:
+            return None
+        b = max(0.0, (self.sxy / self.w - mx * my) / var)
+        a = my - b * mx
+        return (a, b) if a >= 0 else None
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b), or None before the first observation."""
         if self.w <= 0:
             return None
+        measured = self._measured()
+        if measured is not None:
+            return measured
         mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        if var >= self.MIN_VARIANCE:
-            b = max(0.0, (self.sxy / self.w - mx * my) / var)
-            a = my - b * mx
-            if a >= 0:
-                return a, b
+        if self.slope is not None and my - self.slope * mx >= 0:
+            return my - self.slope * mx, self.slope
         if self.degenerate == "proportional" and mx > 0:
             return 0.0, my / mx
         return my, 0.0
@@ -220,6 +240,15 @@ class CostModel:
         """t_verify of a round of `tokens` when `load` alike sessions share the batches (None:
         not measured yet)."""
         return self.verify.predict(max(1, load) * tokens)
+
+    def can_pay(self, source: Proposer, max_gamma: int, load: int = 1) -> bool:
+        """Whether a round of `source` could beat plain decoding for some γ <= max_gamma even if
+        every proposal were accepted (E = γ + 1): False when each such round costs at least γ + 1
+        plain steps (a draft step dearer than what a verified token saves). Unmeasured: True."""
+        if self.verify.coefficients() is None:
+            return True
+        costs = self.relative_costs(source, max(1, max_gamma), load)
+        return any(costs[gamma] < gamma + 1 for gamma in range(1, len(costs)))
 
     def steps_within(self, source: Proposer, seconds: float) -> int | None:
         """The most proposal steps of `source` that take at most `seconds` (None: not measured)."""
@@ -318,6 +347,10 @@ class SessionPolicy:
         weight = self.config.draft_prior_weight
         return (own.successes + weight * prior.alpha) / (own.trials + weight)
 
+    def may_pay(self, source: Proposer, max_gamma: int | None = None, load: int = 1) -> bool:
+        """Whether `source` could beat plain decoding at all (`CostModel.can_pay`)."""
+        return self.costs.can_pay(source, self.config.max_gamma if max_gamma is None else max_gamma, load)
+
     def ngram_alpha(self, order: int = 0) -> float | None:
         """Prompt lookup's α for a match of `order` tokens: that length's own estimate once it
         has enough trials, else the source's overall α."""
@@ -364,7 +397,7 @@ class SessionPolicy:
             return self._chose(caps, Choice(Proposer.NONE, 0, "unavailable"))
         if fixed_gamma is not None and mode != Proposer.AUTO:
             return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
-        return self._chose(caps, self._explore(caps, fixed_gamma)
+        return self._chose(caps, self._explore(caps, fixed_gamma, load)
                            or self._best(caps, fixed_gamma, ngram_order, load))
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
@@ -409,9 +442,10 @@ class SessionPolicy:
             caps[Proposer.NGRAM] = min(cap, ngram_available)
         return caps
 
-    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None) -> Choice | None:
+    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None, load: int = 1) -> Choice | None:
         """Warm-up of a source without enough data, then a plain round when the verify fit does
-        not know what plain decoding costs, or a probe of a source left unused too long."""
+        not know what plain decoding costs, or a probe of a source left unused too long (as long
+        as `max_probe_interval` for a source that cannot pay even if all it proposed were right)."""
         c = self.config
         for source, cap in caps.items():
             if self.sources[source].acceptance.rounds < c.warmup_rounds:
@@ -422,7 +456,9 @@ class SessionPolicy:
             return Choice(Proposer.NONE, 0, "cost-probe")
         for source, cap in caps.items():
             state = self.sources[source]
-            if state.idle >= state.probe_interval:
+            interval = (state.probe_interval if self.costs.can_pay(source, cap, load)
+                        else c.max_probe_interval)
+            if state.idle >= interval:
                 state.probe_interval = min(2 * state.probe_interval, c.max_probe_interval)
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None

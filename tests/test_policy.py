@@ -127,6 +127,10 @@ def test_a_verification_that_grows_with_its_tokens_is_measured_not_assumed_flat(
     late = choices[100:]
     assert sum(c.source == "none" for c in late) >= 0.9 * len(late)
     assert policy.costs.relative_cost("draft", 4) > 4.0  # (4·0.5 + 3.8) / 1 plain steps
+    # it cannot pay even if all it proposed were right (γ + 1 tokens for more than γ + 1 steps),
+    # so it is probed only every max_probe_interval rounds, not at the doubling intervals
+    assert not policy.may_pay("draft")
+    assert sum(c.reason == "probe" for c in choices) <= 400 // 256
     # the same draft where verification is flat: it drafts, and the plain rounds stay rare
     flat = simulate(SessionPolicy(PolicyConfig(max_gamma=8)), 400, {"draft": 0.8}, {"draft": 0.05})
     assert sum(c.source == "draft" for c in flat[100:]) >= 0.95 * len(late)
@@ -253,6 +257,22 @@ def test_linear_fit_recovers_a_line_and_falls_back_while_x_is_constant():
     for n in (1, 4, 2, 8, 3):
         exact.observe(n, 0.05 + 0.01 * n)
     assert exact.coefficients() == pytest.approx((0.05, 0.01))
+
+
+def test_linear_fit_keeps_the_slope_it_measured_while_x_stops_varying():
+    """Every round plain for a while (x = 1 only): the spread decays away, not the engine's cost
+    per token, so the fit keeps the last slope it measured instead of falling back to flat."""
+    fit = LinearFit(decay=0.9, degenerate="flat")
+    for n in (1, 5, 1, 5, 3):
+        fit.observe(n, 0.03 + 0.07 * n)
+    assert fit.coefficients() == pytest.approx((0.03, 0.07))
+    for _ in range(200):
+        fit.observe(1, 0.1)
+    assert fit.constant_x() == pytest.approx(1.0)
+    assert fit.coefficients() == pytest.approx((0.03, 0.07)) and fit.predict(5) == pytest.approx(0.38)
+    for _ in range(200):  # a slope the data no longer fits (it would put the intercept below 0)
+        fit.observe(1, 0.05)
+    assert fit.coefficients() == pytest.approx((0.05, 0.0))
 
 
 def test_cost_model_reduces_to_the_leviathan_form_when_verify_is_flat():
