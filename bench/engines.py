@@ -12,8 +12,10 @@ read by torch with the same threads), and each step's fraction of it is reported
 model and dtype: weight bytes, decode-step and verify times (median of --repeats, the two
 interleaved), GB/s each reaches and its fraction of the measured bandwidth. A table is printed;
 engines.json, engines.txt and engines.png go to bench/results/. The decode rates through the
-three services (target-only and speculative) come from bench/speedup.py, run on the same files:
-  python bench/speedup.py --quick --no-hf --draft-model DRAFT.gguf --target-model TARGET.gguf
+three services (target-only and speculative), beside llama.cpp's own llama-server plain and
+with the draft, come from bench/speedup.py, run on the same files:
+  python bench/speedup.py --quick --no-hf --draft-model DRAFT.gguf --target-model TARGET.gguf \
+      --llama-server PATH
 """
 
 from __future__ import annotations

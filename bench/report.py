@@ -14,6 +14,10 @@ AUTO = "specdec auto"
 LOOKUP = "specdec prompt lookup"
 DRAFT_PREFIX = "specdec draft γ="
 HF_PREFIX = "hf "
+LLAMA_SERVER_PREFIX = "llama-server "
+# the peer families a method of specdec is compared with: family -> its methods' prefix
+PEERS = {"hf": HF_PREFIX, "llama-server": LLAMA_SERVER_PREFIX}
+_FAMILY_SHORT = {"hf": "HF", "llama-server": "ls"}  # a family's name in the table's column heads
 
 
 def draft_gamma(method: str) -> int | None:
@@ -48,8 +52,6 @@ def analyse_prompt(runs: dict[str, dict]) -> dict:
         run["identical"] = run["token_ids"] == reference
         run["common_prefix"] = next((i for i, (a, b) in enumerate(zip(run["token_ids"], reference)) if a != b),
                                     min(len(run["token_ids"]), len(reference)))
-    hf = {m: r for m, r in runs.items() if m.startswith(HF_PREFIX)}
-    best_hf = max(hf, key=lambda m: hf[m]["decode_tps"]) if hf else None
     pooled_accepted = pooled_rejections = 0
     pooled_draft_s = pooled_draft_tokens = 0.0
     for method, run in runs.items():
@@ -81,11 +83,15 @@ def analyse_prompt(runs: dict[str, dict]) -> dict:
         s = runs[LOOKUP]["stats"]
         summary["ngram_alpha"] = (s["ngram_accepted_tokens"] / s["ngram_draft_tokens"]
                                   if s["ngram_draft_tokens"] else 0.0)
-    if best_hf:
-        summary.update(best_hf=best_hf, best_hf_tps=hf[best_hf]["decode_tps"])
+    for family, prefix in PEERS.items():
+        peers = {m: r for m, r in runs.items() if m.startswith(prefix)}
+        if not peers:
+            continue
+        best = max(peers, key=lambda m: peers[m]["decode_tps"])
+        summary.update({f"best_{family}": best, f"best_{family}_tps": peers[best]["decode_tps"]})
         for method in (AUTO, LOOKUP):
             if method in runs:
-                summary[f"{method} / best hf"] = runs[method]["decode_tps"] / hf[best_hf]["decode_tps"]
+                summary[f"{method} / best {family}"] = runs[method]["decode_tps"] / peers[best]["decode_tps"]
     if AUTO in runs:
         summary["auto_speedup"] = runs[AUTO]["speedup"]
     return summary
@@ -97,13 +103,16 @@ def overall(prompts: list[dict]) -> dict:
         return [p["summary"][key] for p in prompts if key in p["summary"]]
 
     out: dict[str, Any] = {}
-    for key in ("auto_speedup", f"{AUTO} / best hf", f"{LOOKUP} / best hf", "best_draft_bound_fraction",
-                "alpha", "c", "ngram_alpha"):
+    ratios = [f"{method} / best {family}" for family in PEERS for method in (AUTO, LOOKUP)]
+    for key in ("auto_speedup", *ratios, "best_draft_bound_fraction", "alpha", "c", "ngram_alpha"):
         values = collect(key)
         if values:
             out[f"median {key}"] = statistics.median(values)
     if collect("auto_speedup"):
         out["min auto_speedup"] = min(collect("auto_speedup"))
+    for family in PEERS:
+        if collect(f"{AUTO} / best {family}"):
+            out[f"min {AUTO} / best {family}"] = min(collect(f"{AUTO} / best {family}"))
     methods = sorted({m for p in prompts for m in p["runs"]})
     out["median speedup by method"] = {
         m: statistics.median([p["runs"][m]["speedup"] for p in prompts if m in p["runs"]]) for m in methods}
@@ -113,22 +122,26 @@ def overall(prompts: list[dict]) -> dict:
 
 
 def table(prompts: list[dict], methods: list[str]) -> str:
-    """Per prompt: target-only tok/s, every method's speed-up, auto / best HF, α, c, bound."""
+    """Per prompt: target-only tok/s, every method's speed-up, auto / the best peer of each
+    family that ran, α, c, bound."""
     short = {m: _short(m) for m in methods if m != TARGET_ONLY}
+    families = [f for f, prefix in PEERS.items() if any(m.startswith(prefix) for m in methods)]
     head = (f"{'prompt':<22} {'kind':<18} {'tok/s':>6} " + " ".join(f"{s:>8}" for s in short.values())
-            + f" {'auto/HF':>7} {'α':>5} {'c':>5} {'bound':>9} {'of bnd':>6} {'α_ng':>5}")
+            + "".join(f" {'auto/' + _FAMILY_SHORT[f]:>7}" for f in families)
+            + f" {'α':>5} {'c':>5} {'bound':>9} {'of bnd':>6} {'α_ng':>5}")
     lines = [head]
     for p in prompts:
         s, runs = p["summary"], p["runs"]
         cells = " ".join(f"{runs[m]['speedup']:>7.2f}x" if m in runs else f"{'-':>8}" for m in short)
         bound = f"{s['bound']:.2f}@γ{s['bound_gamma']}" if "bound" in s else "-"
+        peers = "".join(f" {s.get(f'{AUTO} / best {f}', float('nan')):>7.2f}" for f in families)
         lines.append(
-            f"{p['name']:<22} {p['kind']:<18} {s['target_only_tps']:>6.2f} {cells} "
-            f"{s.get(f'{AUTO} / best hf', float('nan')):>7.2f} {s.get('alpha', float('nan')):>5.2f} "
+            f"{p['name']:<22} {p['kind']:<18} {s['target_only_tps']:>6.2f} {cells}{peers} "
+            f"{s.get('alpha', float('nan')):>5.2f} "
             f"{s.get('c', float('nan')):>5.2f} {bound:>9} {s.get('best_draft_bound_fraction', float('nan')):>6.2f} "
             f"{s.get('ngram_alpha', float('nan')):>5.2f}")
-    lines.append("columns: speed-up of decode tokens/s over specdec target-only; auto/HF = specdec auto "
-                 "over the best HF method of the prompt; α, c = the draft model's acceptance and cost "
+    lines.append("columns: speed-up of decode tokens/s over specdec target-only; auto/HF, auto/ls = "
+                 "specdec auto over the best HF / llama-server method of the prompt; α, c = the draft model's acceptance and cost "
                  "ratio (pooled over its fixed-γ runs); bound = Leviathan's speed-up for that α and c at "
                  "its best γ; of bnd = the best draft run's speed-up over its own bound; α_ng = prompt "
                  "lookup's acceptance")
@@ -138,7 +151,7 @@ def table(prompts: list[dict], methods: list[str]) -> str:
 
 def _short(method: str) -> str:
     return (method.replace("specdec ", "").replace("prompt lookup", "lookup").replace("assisted", "asst")
-            .replace("hf ", "hf:").replace("draft γ=", "d"))[:8]
+            .replace("hf ", "hf:").replace(LLAMA_SERVER_PREFIX, "ls:").replace("draft γ=", "d"))[:8]
 
 
 def plot(prompts: list[dict], methods: list[str], path: Path) -> bool:
@@ -163,7 +176,7 @@ def plot(prompts: list[dict], methods: list[str], path: Path) -> bool:
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))], kinds)
     ax.set_ylabel("decode speed-up over target-only")
-    ax.set_title("specdec and HF transformers, greedy, by prompt kind")
+    ax.set_title("specdec and its peers, greedy, by prompt kind")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

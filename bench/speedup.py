@@ -5,6 +5,7 @@ Usage:
   python bench/speedup.py --draft-model D --target-model T [--dtype bfloat16]
   python bench/speedup.py --tiny --quick                   # a tiny random pair: a smoke run
   python bench/speedup.py --threads 1 --draft-ahead on     # draft and target on a core each
+  python bench/speedup.py --no-hf --draft-model D.gguf --target-model T.gguf --llama-server PATH
 
 Ten chat prompts in five kinds (bench/prompts.py), greedy, --max-new-tokens (default 128)
 each, EOS ignored so every method generates the same number of tokens. Side by side in one
@@ -13,7 +14,8 @@ run, on the same checkpoints, dtype and thread count, prompt by prompt:
   specdec target-only (proposer none) · specdec auto (adaptive γ, per-round source) ·
   specdec draft model at fixed γ = 1..6 · specdec prompt lookup only (adaptive γ) ·
   HF generate plain · HF assisted generation with the draft (its default schedule, and a
-  constant γ = 3) · HF prompt lookup (prompt_lookup_num_tokens=10)
+  constant γ = 3) · HF prompt lookup (prompt_lookup_num_tokens=10) · with --llama-server PATH
+  and GGUF files: llama.cpp's own server, plain and with the draft (bench/llama_server.py)
 
 The services run as processes on loopback (`specdec up`); the HF methods in this process.
 Rates are decode rates: tokens after the first streamed chunk over the time after it, so
@@ -34,6 +36,7 @@ while, as a serving one has.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -47,7 +50,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import report  # noqa: E402
+from bench import llama_server, report  # noqa: E402
 from bench.hf_methods import Timed, methods as hf_methods  # noqa: E402
 from bench.prompts import PROMPTS, QUICK, Prompt  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
@@ -160,6 +163,9 @@ def main() -> int:
                         help="the coordinator's --draft-ahead (the draft works while the target verifies)")
     parser.add_argument("--settle", type=int, default=3,
                         help="adaptive requests run before the suite, so auto's measurements have settled")
+    parser.add_argument("--llama-server", default="",
+                        help="a llama-server binary: llama.cpp's server on the same GGUF files, plain and "
+                             "with the draft, as peers (ports --port+3, --port+4)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
 
@@ -187,10 +193,17 @@ def main() -> int:
     if args.quick:
         peers.pop(next((m for m in peers if "γ=" in m), ""), None)
     ours = specdec_methods(args.quick)
-    method_names = list(ours) + list(peers)
+    if args.llama_server and not (draft_path.endswith(".gguf") and target_path.endswith(".gguf")):
+        raise SystemExit("bench/speedup.py: --llama-server needs .gguf files as --draft-model/--target-model")
     proc = start_services(draft_path, target_path, args)
+    stack = contextlib.ExitStack()
     results = []
     try:
+        if args.llama_server:
+            served = stack.enter_context(llama_server.methods(args.llama_server, draft_path, target_path,
+                                                              args.port + 3, args.threads))
+            peers.update({name: (lambda _, ids, n, run=run: run(ids, n)) for name, run in served.items()})
+        method_names = list(ours) + list(peers)
         with grpc.insecure_channel(f"127.0.0.1:{args.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             warm = chat_ids(tokenizer, prompts[0])
@@ -199,7 +212,7 @@ def main() -> int:
             for _ in range(args.settle):  # a coordinator that has run a while: its verdicts are in
                 run_specdec(stub, warm, args.max_new_tokens, ours[report.AUTO])
             for run in peers.values():
-                run(hf_target.model, warm, 16)
+                run(hf_target and hf_target.model, warm, 16)
             for prompt in prompts:
                 ids = chat_ids(tokenizer, prompt)
                 tries: dict[str, list] = {name: [] for name in method_names}
@@ -207,7 +220,7 @@ def main() -> int:
                     for name, fields in ours.items():
                         tries[name].append(run_specdec(stub, ids, args.max_new_tokens, fields))
                     for name, run in peers.items():
-                        tries[name].append((run(hf_target.model, ids, args.max_new_tokens), None))
+                        tries[name].append((run(hf_target and hf_target.model, ids, args.max_new_tokens), None))
                 runs = {name: record(tries[name]) for name in method_names}
                 summary = report.analyse_prompt(runs)
                 results.append({"name": prompt.name, "kind": prompt.kind, "prompt_tokens": len(ids),
@@ -217,6 +230,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(30)
+        stack.close()
     text = report.table(results, method_names)
     totals = report.overall(results)
     print(text)
@@ -227,7 +241,7 @@ def main() -> int:
                 "draft_quantize": args.draft_quantize,
                 "device": args.device, "threads": args.threads, "draft_ahead": args.draft_ahead,
                 "settle": args.settle,
-                "max_new_tokens": args.max_new_tokens,
+                "max_new_tokens": args.max_new_tokens, "llama_server": args.llama_server,
                 "repeats": args.repeats,
                 "tiny": args.tiny, "quick": args.quick, "methods": method_names, "overall": totals,
                 "prompts": [{**p, "runs": {m: {k: v for k, v in r.items() if k != "token_ids"}
