@@ -241,14 +241,18 @@ class CostModel:
         not measured yet)."""
         return self.verify.predict(max(1, load) * tokens)
 
+    HOPELESS_MARGIN = 0.05  # a source "cannot pay" only when every round costs this much more than it could win
+
     def can_pay(self, source: Proposer, max_gamma: int, load: int = 1) -> bool:
         """Whether a round of `source` could beat plain decoding for some γ <= max_gamma even if
-        every proposal were accepted (E = γ + 1): False when each such round costs at least γ + 1
-        plain steps (a draft step dearer than what a verified token saves). Unmeasured: True."""
+        every proposal were accepted (E = γ + 1): False when each such round costs clearly more
+        than γ + 1 plain steps (a draft step dearer than what a verified token saves; a draft
+        that merely costs what it saves — the target itself as a draft — is still probed).
+        Unmeasured: True."""
         if self.verify.coefficients() is None:
             return True
         costs = self.relative_costs(source, max(1, max_gamma), load)
-        return any(costs[gamma] < gamma + 1 for gamma in range(1, len(costs)))
+        return any(costs[gamma] <= (gamma + 1) * (1 + self.HOPELESS_MARGIN) for gamma in range(1, len(costs)))
 
     def steps_within(self, source: Proposer, seconds: float) -> int | None:
         """The most proposal steps of `source` that take at most `seconds` (None: not measured)."""
