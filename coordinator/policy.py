@@ -41,7 +41,7 @@ once ("cost-probe"); the plain round's weight in the fit then decays like any ot
 a steady γ this repeats every few dozen rounds.
 
 A source that cannot pay even if every token it proposed were accepted — each round of γ
-costs at least γ + 1 plain steps, as a draft whose step costs more than a verified token saves
+costs clearly more than γ + 1 plain steps (HOPELESS_MARGIN), as a draft whose step costs more than a verified token saves
 (llama.cpp on a CPU, where verification grows with its tokens) — is probed only every
 `max_probe_interval` rounds, and the draft is not sent a request's prompt ahead of use.
 
