@@ -241,7 +241,7 @@ class CostModel:
         not measured yet)."""
         return self.verify.predict(max(1, load) * tokens)
 
-    HOPELESS_MARGIN = 0.05  # a source "cannot pay" only when every round costs this much more than it could win
+    HOPELESS_MARGIN = 0.25  # a source "cannot pay" only when every round costs this much more than it could win
 
     def can_pay(self, source: Proposer, max_gamma: int, load: int = 1) -> bool:
         """Whether a round of `source` could beat plain decoding for some γ <= max_gamma even if
