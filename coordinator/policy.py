@@ -34,17 +34,6 @@ estimate, forgetting per round, dips after a few rejections in a row; so once th
 coordinator-wide draft α has warmed up, a session's draft α keeps `draft_prior_weight` trials
 of it (prompt lookup's stays the session's own: a rewrite and new text differ by far).
 
-Verification's cost at one token is measured, not assumed: while every recent round verified
-the same number of tokens (the warm-up's, then the winner's γ + 1) the fit cannot tell a flat
-verification from one that grows with its tokens, so an adaptive round then decodes plainly
-once ("cost-probe"); the plain round's weight in the fit then decays like any other's, so at
-a steady γ this repeats every few dozen rounds.
-
-A source that cannot pay even if every token it proposed were accepted — each round of γ
-costs clearly more than γ + 1 plain steps (HOPELESS_MARGIN), as a draft whose step costs more than a verified token saves
-(llama.cpp on a CPU, where verification grows with its tokens) — is probed only every
-`max_probe_interval` rounds, and the draft is not sent a request's prompt ahead of use.
-
 Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
 `default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
 `probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
@@ -141,9 +130,7 @@ class AcceptanceEstimate:
 class LinearFit:
     """y ≈ a + b·x by exponentially weighted least squares (a, b >= 0).
 
-    While x has (almost) not varied lately the slope is the one last measured (the data's spread
-    decays away while, say, every round decodes plainly, but the engine's cost per token stays);
-    before any was measured `degenerate` says what to assume —
+    While x has (almost) not varied the slope is unknown: `degenerate` says what to assume —
     "flat" (b = 0, y = mean) or "proportional" (a = 0, y = mean·x / mean_x). A fit with a
     negative intercept is noise, not a cost (no call takes negative time with no tokens): it gets
     the same assumption. (A verify fit falling back to "proportional" there would price every
@@ -158,36 +145,23 @@ class LinearFit:
             raise ValueError(f"degenerate must be flat or proportional, got {degenerate!r}")
         self.decay, self.degenerate = decay, degenerate
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.slope: float | None = None  # the last slope measured while x varied
 
     def observe(self, x: float, y: float) -> None:
         d = self.decay
         self.w, self.sx, self.sy = self.w * d + 1.0, self.sx * d + x, self.sy * d + y
         self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
-        measured = self._measured()
-        if measured is not None:
-            self.slope = measured[1]
-
-    def _measured(self) -> tuple[float, float] | None:
-        """(a, b) from the data alone: None while x has not varied or the intercept is negative."""
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        if var < self.MIN_VARIANCE:
-            return None
-        b = max(0.0, (self.sxy / self.w - mx * my) / var)
-        a = my - b * mx
-        return (a, b) if a >= 0 else None
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b), or None before the first observation."""
         if self.w <= 0:
             return None
-        measured = self._measured()
-        if measured is not None:
-            return measured
         mx, my = self.sx / self.w, self.sy / self.w
-        if self.slope is not None and my - self.slope * mx >= 0:
-            return my - self.slope * mx, self.slope
+        var = self.sxx / self.w - mx * mx
+        if var >= self.MIN_VARIANCE:
+            b = max(0.0, (self.sxy / self.w - mx * my) / var)
+            a = my - b * mx
+            if a >= 0:
+                return a, b
         if self.degenerate == "proportional" and mx > 0:
             return 0.0, my / mx
         return my, 0.0
@@ -195,14 +169,6 @@ class LinearFit:
     def predict(self, x: float) -> float | None:
         coefficients = self.coefficients()
         return None if coefficients is None else coefficients[0] + coefficients[1] * x
-
-    def constant_x(self) -> float | None:
-        """The x of every recent observation when x has (almost) not varied lately, so the slope
-        is the `degenerate` guess; None when it has varied (or nothing was observed)."""
-        if self.w <= 0:
-            return None
-        mx = self.sx / self.w
-        return mx if self.sxx / self.w - mx * mx < self.MIN_VARIANCE else None
 
 
 class CostModel:
@@ -216,14 +182,6 @@ class CostModel:
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.observe(tokens, seconds)
-
-    def needs_verify_probe(self) -> bool:
-        """Whether every recent verification took the same number of tokens, more than a plain
-        step's, so the fit cannot tell what one plain step costs (it assumes as much: verification
-        is flat). On an engine whose verification grows with its tokens (llama.cpp on a CPU) that
-        guess makes every round of speculation look like a win; a plain round measures it."""
-        x = self.verify.constant_x()
-        return x is not None and x > 1.5
 
     def observe_propose(self, source: Proposer, gamma: int, seconds: float) -> None:
         self.propose[source].observe(gamma, seconds)
@@ -240,19 +198,6 @@ class CostModel:
         """t_verify of a round of `tokens` when `load` alike sessions share the batches (None:
         not measured yet)."""
         return self.verify.predict(max(1, load) * tokens)
-
-    HOPELESS_MARGIN = 0.25  # a source "cannot pay" only when every round costs this much more than it could win
-
-    def can_pay(self, source: Proposer, max_gamma: int, load: int = 1) -> bool:
-        """Whether a round of `source` could beat plain decoding for some γ <= max_gamma even if
-        every proposal were accepted (E = γ + 1): False when each such round costs clearly more
-        than γ + 1 plain steps (a draft step dearer than what a verified token saves; a draft
-        that merely costs what it saves — the target itself as a draft — is still probed).
-        Unmeasured: True."""
-        if self.verify.coefficients() is None:
-            return True
-        costs = self.relative_costs(source, max(1, max_gamma), load)
-        return any(costs[gamma] <= (gamma + 1) * (1 + self.HOPELESS_MARGIN) for gamma in range(1, len(costs)))
 
     def steps_within(self, source: Proposer, seconds: float) -> int | None:
         """The most proposal steps of `source` that take at most `seconds` (None: not measured)."""
@@ -304,7 +249,7 @@ class Choice:
 
     source: Proposer   # DRAFT | NGRAM | NONE
     gamma: int         # tokens to propose (0 exactly when source is "none")
-    reason: str        # "best" | "warmup" | "probe" | "cost-probe" | "override" | "unavailable"
+    reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
 
     def __iter__(self) -> Iterator:
@@ -333,8 +278,6 @@ class SessionPolicy:
         self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), c.probe_interval)
                         for s in SOURCES}
         self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
-        self._rounds = 0  # rounds chosen
-        self._cost_probed = -c.probe_interval  # the round of the last cost probe
 
     def alpha(self, source: Proposer) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round).
@@ -350,10 +293,6 @@ class SessionPolicy:
             return own.alpha
         weight = self.config.draft_prior_weight
         return (own.successes + weight * prior.alpha) / (own.trials + weight)
-
-    def may_pay(self, source: Proposer, max_gamma: int | None = None, load: int = 1) -> bool:
-        """Whether `source` could beat plain decoding at all (`CostModel.can_pay`)."""
-        return self.costs.can_pay(source, self.config.max_gamma if max_gamma is None else max_gamma, load)
 
     def ngram_alpha(self, order: int = 0) -> float | None:
         """Prompt lookup's α for a match of `order` tokens: that length's own estimate once it
@@ -401,7 +340,7 @@ class SessionPolicy:
             return self._chose(caps, Choice(Proposer.NONE, 0, "unavailable"))
         if fixed_gamma is not None and mode != Proposer.AUTO:
             return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
-        return self._chose(caps, self._explore(caps, fixed_gamma, load)
+        return self._chose(caps, self._explore(caps, fixed_gamma)
                            or self._best(caps, fixed_gamma, ngram_order, load))
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
@@ -446,23 +385,15 @@ class SessionPolicy:
             caps[Proposer.NGRAM] = min(cap, ngram_available)
         return caps
 
-    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None, load: int = 1) -> Choice | None:
-        """Warm-up of a source without enough data, then a plain round when the verify fit does
-        not know what plain decoding costs, or a probe of a source left unused too long (as long
-        as `max_probe_interval` for a source that cannot pay even if all it proposed were right)."""
+    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None) -> Choice | None:
+        """Warm-up of a source without enough data, or a probe of one left unused too long."""
         c = self.config
         for source, cap in caps.items():
             if self.sources[source].acceptance.rounds < c.warmup_rounds:
                 return Choice(source, min(fixed_gamma or c.default_gamma, cap), "warmup")
-        if (fixed_gamma is None and self._rounds - self._cost_probed >= c.probe_interval
-                and self.costs.needs_verify_probe()):
-            self._cost_probed = self._rounds  # at most one per probe_interval, timed or not
-            return Choice(Proposer.NONE, 0, "cost-probe")
         for source, cap in caps.items():
             state = self.sources[source]
-            interval = (state.probe_interval if self.costs.can_pay(source, cap, load)
-                        else c.max_probe_interval)
-            if state.idle >= interval:
+            if state.idle >= state.probe_interval:
                 state.probe_interval = min(2 * state.probe_interval, c.max_probe_interval)
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None
@@ -494,7 +425,6 @@ class SessionPolicy:
 
     def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
         """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""
-        self._rounds += 1
         for source in caps:
             state = self.sources[source]
             state.idle = 0 if source == choice.source else state.idle + 1

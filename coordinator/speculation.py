@@ -42,12 +42,6 @@ class FixedCosts(CostModel):
         super().__init__()
         self.cost_ratio = cost_ratio
 
-    def needs_verify_probe(self) -> bool:
-        return False  # the costs are given
-
-    def can_pay(self, source: Proposer, max_gamma: int, load: int = 1) -> bool:
-        return True  # choices follow acceptance only
-
     def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
         c = self.cost_ratio if source == Proposer.DRAFT else 0.0
         return [1.0 + c * gamma for gamma in range(max_gamma + 1)]

@@ -134,11 +134,10 @@ class DraftModel(ProposalSource):
     def _prefetch(self, rnd: Round) -> _Prefetch | None:
         """On the first round of a request that does not use the draft, send it the history it
         lacks (the prompt) alongside the verification (not while the load governor holds plain
-        decoding, nor when the draft cannot pay even if all it proposed were accepted)."""
+        decoding)."""
         run = rnd.run
         if not (rnd.spec.uses_draft and rnd.draft_up and rnd.allowed and run.calls[Tier.DRAFT] == 0
-                and rnd.base - run.record.draft.held > 2
-                and rnd.spec.policy.may_pay(Proposer.DRAFT, load=rnd.spec.load)):
+                and rnd.base - run.record.draft.held > 2):
             return None
         return _Prefetch(rnd, asyncio.ensure_future(self._catch_up(run, rnd.params, rnd.draft_seed)))
 
