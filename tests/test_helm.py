@@ -580,6 +580,17 @@ def test_every_value_has_a_comment():
         assert previous.startswith("#") or parent_is_free_map, f"values.yaml:{number + 1}: {line.strip()} has no comment"
 
 
+def test_schema_model_choices_are_the_flags_choices():
+    """The chart's model enums restate the service flags' choices: they must not drift apart."""
+    from specdec.config import DTYPES, choices_of
+    from specdec.types import Backend, KVCacheType
+
+    model = json.loads((CHART / "values.schema.json").read_text())["definitions"]["model"]["properties"]
+    assert model["backend"]["enum"] == list(choices_of(Backend))
+    assert model["kvCacheType"]["enum"] == list(choices_of(KVCacheType))
+    assert model["dtype"]["enum"] == list(DTYPES)
+
+
 def test_schema_covers_every_value(chart):
     schema = json.loads((CHART / "values.schema.json").read_text())
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
