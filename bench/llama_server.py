@@ -45,8 +45,8 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"llama-server exited with status {proc.returncode} before it was ready")
-        with contextlib.suppress(OSError, http.client.HTTPException):
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        with contextlib.suppress(OSError, http.client.HTTPException), contextlib.closing(connection):
             connection.request("GET", "/health")
             if connection.getresponse().status == 200:
                 return

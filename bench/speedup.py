@@ -183,13 +183,13 @@ def main() -> int:
     if args.no_hf:  # the tokenizer only (a .gguf file would be dequantised for nothing)
         from specdec.tokenizer import load_tokenizer
 
-        tokenizer, hf_target, peers = load_tokenizer(target_path), None, {}
+        tokenizer, hf_model, peers = load_tokenizer(target_path), None, {}
     else:
         hf_target = load_model(target_path, args.dtype, args.device)
         hf_draft = load_model(draft_path, args.dtype, args.device, quantize=args.draft_quantize)
         for loaded in (hf_target, hf_draft):
             loaded.model.generation_config.eos_token_id = None
-        tokenizer, peers = hf_target.tokenizer, hf_methods(hf_draft.model)
+        tokenizer, hf_model, peers = hf_target.tokenizer, hf_target.model, hf_methods(hf_draft.model)
     if args.quick:
         peers.pop(next((m for m in peers if "γ=" in m), ""), None)
     ours = specdec_methods(args.quick)
@@ -212,7 +212,7 @@ def main() -> int:
             for _ in range(args.settle):  # a coordinator that has run a while: its verdicts are in
                 run_specdec(stub, warm, args.max_new_tokens, ours[report.AUTO])
             for run in peers.values():
-                run(hf_target and hf_target.model, warm, 16)
+                run(hf_model, warm, 16)
             for prompt in prompts:
                 ids = chat_ids(tokenizer, prompt)
                 tries: dict[str, list] = {name: [] for name in method_names}
@@ -220,7 +220,7 @@ def main() -> int:
                     for name, fields in ours.items():
                         tries[name].append(run_specdec(stub, ids, args.max_new_tokens, fields))
                     for name, run in peers.items():
-                        tries[name].append((run(hf_target and hf_target.model, ids, args.max_new_tokens), None))
+                        tries[name].append((run(hf_model, ids, args.max_new_tokens), None))
                 runs = {name: record(tries[name]) for name in method_names}
                 summary = report.analyse_prompt(runs)
                 results.append({"name": prompt.name, "kind": prompt.kind, "prompt_tokens": len(ids),
