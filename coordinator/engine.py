@@ -22,7 +22,7 @@ from specdec.fingerprint import PrefixHashes
 from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
-from specdec.types import ModelDescription, Proposer, SamplingParams
+from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams
 
 from coordinator.calls import SessionCalls
 from coordinator.lease_keeper import LeaseKeeper
@@ -39,7 +39,7 @@ from coordinator.stats import GenerationStats
 from coordinator.store import Lease, SessionRecord, SessionStore
 from coordinator.streamed_text import StreamedText
 from coordinator.tasks import discard
-from coordinator.tiers import Tier
+from coordinator.tiers import Tier, tiers_compete
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,9 @@ class Engine:
                                        min_confidence=config.draft_min_confidence)
         self.calls = SessionCalls(routes, config)
         self.draft_model = DraftModel(self.calls, routes, config, draft_info, self.max_gamma,
-                                      self.context_length, load=lambda: self.active)
+                                      self.context_length, load=lambda: self.active,
+                                      beside_verification=not tiers_compete(
+                                          CoreSharing(config.tiers_share_cores), draft_info, target_info))
         self.sources: dict[Proposer, ProposalSource] = {
             source.proposer: source for source in (self.draft_model, PromptLookup(), NoProposals())}
 

@@ -218,6 +218,8 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         if metrics_server is not None:
             metrics_server.stop()
         raise
-    log.info("coordinator on %s:%d (%s; %s; %s)", config.host, port, routes.discovery.describe(),
-             routes.describe(), security.describe())
+    log.info("coordinator on %s:%d (%s; %s; %s%s)", config.host, port, routes.discovery.describe(),
+             routes.describe(), security.describe(),
+             "" if engine.draft_model.beside_verification else "; the tiers share CPU cores: the draft "
+             "never works beside a verification")
     return RunningCoordinator(server, port, engine, metrics_server)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping, TypeVar
 
-from specdec.types import Backend, DiscoveryKind, DraftAhead, KVCacheType, Proposer, Quantization, RpcTransport
+from specdec.types import (Backend, CoreSharing, DiscoveryKind, DraftAhead, KVCacheType, Proposer, Quantization,
+                           RpcTransport)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
@@ -154,6 +155,13 @@ class CoordinatorConfig(ServerTlsConfig):
                            "load band, the winner held for 10 minutes and 10x the trial's rounds, and longer), on "
                            "and off fix it",
                            choices_of(DraftAhead))
+    tiers_share_cores: str = opt("auto", "whether the draft and the target compete for the same CPU "
+                                 "cores; when they do, the draft never works beside a verification "
+                                 "(no calls made ahead under --draft-ahead auto, no prompt sent "
+                                 "alongside a first round that does not use it). auto: they do when "
+                                 "the first draft and target replicas report the same kernel, "
+                                 "overlapping cores and more threads than those cores",
+                                 choices_of(CoreSharing))
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from specdec.cores import CpuPlacement
 from specdec.errors import InvalidArgument
 
 DEFAULT_TEMPERATURE = 1.0
@@ -20,6 +21,15 @@ class Proposer(StrEnum):
     DRAFT = "draft"  # the draft model (the draft service)
     NGRAM = "ngram"  # prompt lookup in the session's own history (no model call)
     NONE = "none"    # no proposals: plain target decoding
+
+
+class CoreSharing(StrEnum):
+    """Whether the draft and the target tiers compete for the same CPU cores
+    (--tiers-share-cores)."""
+
+    AUTO = "auto"  # as the services report (specdec/cores.py)
+    YES = "yes"
+    NO = "no"
 
 
 class DraftAhead(StrEnum):
@@ -146,3 +156,4 @@ class ModelDescription:
     dtype: str
     device: str
     max_speculative_tokens: int
+    cpu: CpuPlacement | None = None  # where its forwards run on a CPU (None: on an accelerator)

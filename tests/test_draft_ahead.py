@@ -77,7 +77,8 @@ def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
     """--draft-ahead auto: the governor's epochs switch calls made ahead on and off within one
     request (here every few rounds, for good: the verdict never comes); output is unchanged."""
     target = small_vocab_models["target"]
-    coordinator = {**AHEAD, "draft_ahead": "auto", "max_num_speculative_tokens": 4}  # many rounds
+    coordinator = {**AHEAD, "draft_ahead": "auto", "max_num_speculative_tokens": 4,  # many rounds
+                   "tiers_share_cores": "no"}  # as if on separate cores: auto measures
     with Cluster(target, target, coordinator=coordinator) as cluster:
         cluster.coordinator.engine.draft_model.trial = DraftAheadTrial(epoch_rounds=2, min_pairs=10**6, max_pairs=10**6)
         calls = rounds = 0
@@ -99,12 +100,29 @@ def test_auto_leaves_reproducible_rounds_alone(small_vocab_models, pinned, field
     """Under auto, a request that fixes γ and a coordinator that pins c keep their rounds (and so
     a seeded request's draws) reproducible: no call is made ahead, nothing is measured."""
     target = small_vocab_models["target"]
-    with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": "auto", **pinned}) as cluster:
+    with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": "auto", "tiers_share_cores": "no",
+                                              **pinned}) as cluster:
         cluster.coordinator.engine.draft_model.trial = DraftAheadTrial(epoch_rounds=1, min_pairs=10**6, max_pairs=10**6)
         response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
                                     proposer=proposer("draft"), **fields)
         assert response.stats.draft_rounds > 2 and response.stats.draft_ahead_calls == 0
         assert not cluster.coordinator.engine.draft_model.trial.bands
+
+
+@pytest.mark.e2e
+def test_auto_never_drafts_ahead_on_shared_cores(small_vocab_models):
+    """Both services run in this process, on the same cores: under auto no call is made ahead
+    (the draft would slow the verification it ran beside) and no trial runs; `on` still does."""
+    target = small_vocab_models["target"]
+    for setting, ahead in (("auto", False), ("on", True)):
+        with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": setting}) as cluster:
+            assert not cluster.coordinator.engine.draft_model.beside_verification
+            response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
+                                        proposer=proposer("draft"))
+            assert list(response.token_ids) == target_only(target, IDS_PROMPTS[0], 30)
+            assert response.stats.draft_rounds > 2
+            assert (response.stats.draft_ahead_calls > 0) is ahead
+            assert not cluster.coordinator.engine.draft_model.trial.bands
 
 
 def next_token_table(target_dir: str, params: SamplingParams, prompt: list[int]) -> np.ndarray:

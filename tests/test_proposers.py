@@ -15,6 +15,7 @@ from specdec import tiny
 from specdec.runtime.loader import load_model
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
+from tests.spies import RequestRecorder
 from tests.test_e2e_greedy import reference
 
 pytestmark = pytest.mark.e2e
@@ -221,7 +222,9 @@ def test_a_skipped_draft_still_gets_the_prompt_in_the_first_round(small_vocab_mo
     target = small_vocab_models["target"]
     draft = always_wrong_draft(tmp_path / "wrong", tiny.word_tokenizer(12))
     ids = [5, 5, 5]
-    with Cluster(draft, target, coordinator={"draft_cost_ratio": 0.1}) as cluster:
+    # both services run in this process: on the same cores, where nothing is sent alongside
+    # unless the coordinator is told otherwise
+    with Cluster(draft, target, coordinator={"draft_cost_ratio": 0.1, "tiers_share_cores": "no"}) as cluster:
         learnt = cluster.complete(token_ids=ids, max_new_tokens=8, ignore_eos=True, proposer=proposer("draft"))
         assert learnt.stats.accepted_tokens == 0 and learnt.stats.draft_rounds == 2  # the warm-up
         response = cluster.complete(token_ids=ids, max_new_tokens=96, ignore_eos=True, proposer=proposer("auto"))
@@ -232,3 +235,27 @@ def test_a_skipped_draft_still_gets_the_prompt_in_the_first_round(small_vocab_mo
         assert stats.ngram_rounds > 0 and stats.draft_rounds > 0
         assert stats.draft_prefill_tokens == len(ids)
         assert stats.cache_misses == 0
+
+
+def test_tiers_on_the_same_cores_send_no_prompt_alongside(small_vocab_models, tmp_path):
+    """Where the draft and the target report the same cores (here: one process), the draft's
+    prefill would slow the verification it runs beside: the first round sends it nothing, and
+    a later probe of the draft catches up on the prompt and what was generated since."""
+    target = small_vocab_models["target"]
+    draft = always_wrong_draft(tmp_path / "wrong", tiny.word_tokenizer(12))
+    ids = [5, 5, 5]
+    recorder = RequestRecorder("Propose")
+    with Cluster(draft, target, coordinator={"draft_cost_ratio": 0.1}, interceptors=[recorder]) as cluster:
+        assert not cluster.coordinator.engine.draft_model.beside_verification
+        cluster.complete(token_ids=ids, max_new_tokens=8, ignore_eos=True, proposer=proposer("draft"))
+        recorder.calls.clear()
+        response = cluster.complete(token_ids=ids, max_new_tokens=96, ignore_eos=True, proposer=proposer("auto"))
+        assert list(response.token_ids) == target_only(target, ids, 96)
+        stats = response.stats
+        assert stats.ngram_rounds > 0 and stats.cache_misses == 0
+        # the draft's first call, if the policy probed it, came after generated tokens: it was
+        # not sent the prompt alone alongside the first round
+        if recorder.calls:
+            first = recorder.calls[0][1]
+            assert first.prefix_len == 0 and len(first.new_tokens) > len(ids)
+        assert stats.draft_prefill_tokens != len(ids)

@@ -39,8 +39,11 @@ class DraftModel(ProposalSource):
 
     def __init__(self, calls: SessionCalls, routes: Routes, config: CoordinatorConfig,
                  draft_info: ModelDescription, max_gamma: int, context_length: int,
-                 load: Callable[[], int]):
+                 load: Callable[[], int], beside_verification: bool = True):
         self.calls, self.routes, self.config = calls, routes, config
+        # False where the tiers compete for the same cores: then the draft never works while the
+        # target verifies (auto makes no calls ahead, no prompt is sent alongside)
+        self.beside_verification = beside_verification
         self.draft_info, self.max_gamma, self.context_length = draft_info, max_gamma, context_length
         self.load = load  # generations running now (the trial's load band)
         self.trial = DraftAheadTrial(config.draft_ahead)  # whether draft rounds draft ahead
@@ -103,9 +106,11 @@ class DraftModel(ProposalSource):
         """Whether a draft round drafts ahead (ON | OFF): as --draft-ahead on / off says, or as the
         trial of `auto` says for requests whose rounds follow measured timings anyway (adaptive γ,
         costs measured). Under `auto` a request that fixes γ, or a coordinator that pins
-        --draft-cost-ratio, keeps reproducible rounds: None (off, and not measured)."""
+        --draft-cost-ratio, keeps reproducible rounds, and tiers that compete for the same cores
+        never draft ahead: None (off, and not measured)."""
         if self.trial.setting == DraftAhead.AUTO and (rnd.spec.fixed_gamma is not None
-                                                      or self.config.draft_cost_ratio > 0):
+                                                      or self.config.draft_cost_ratio > 0
+                                                      or not self.beside_verification):
             return None
         return self.trial.mode(self.load())
 
@@ -134,9 +139,10 @@ class DraftModel(ProposalSource):
     def _prefetch(self, rnd: Round) -> _Prefetch | None:
         """On the first round of a request that does not use the draft, send it the history it
         lacks (the prompt) alongside the verification (not while the load governor holds plain
-        decoding)."""
+        decoding, nor where the tiers compete for the same cores: a later draft round catches up
+        then, if the policy probes the draft at all)."""
         run = rnd.run
-        if not (rnd.spec.uses_draft and rnd.draft_up and rnd.allowed and run.calls[Tier.DRAFT] == 0
+        if not (self.beside_verification and rnd.spec.uses_draft and rnd.draft_up and rnd.allowed and run.calls[Tier.DRAFT] == 0
                 and rnd.base - run.record.draft.held > 2):
             return None
         return _Prefetch(rnd, asyncio.ensure_future(self._catch_up(run, rnd.params, rnd.draft_seed)))

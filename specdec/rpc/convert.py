@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from specdec.cores import CpuPlacement
 from specdec.errors import InvalidArgument
 from specdec.types import ModelDescription, SamplingParams, SparseDist
 from specdec.v1 import common_pb2
@@ -45,6 +46,8 @@ def model_info_to_pb(desc: ModelDescription) -> common_pb2.ModelInfo:
         dtype=desc.dtype,
         device=desc.device,
         max_speculative_tokens=desc.max_speculative_tokens,
+        cpu=None if desc.cpu is None else common_pb2.CpuPlacement(
+            boot_id=desc.cpu.boot_id, cores=sorted(desc.cpu.cores), threads=desc.cpu.threads),
     )
 
 
@@ -71,4 +74,13 @@ def model_info_from_pb(pb: common_pb2.ModelInfo) -> ModelDescription:
         dtype=pb.dtype,
         device=pb.device,
         max_speculative_tokens=pb.max_speculative_tokens,
+        cpu=_placement_from_pb(pb.cpu) if pb.HasField("cpu") else None,
     )
+
+
+def _placement_from_pb(pb: common_pb2.CpuPlacement) -> CpuPlacement | None:
+    """A reported placement, or None when it is not one (a service of another version)."""
+    try:
+        return CpuPlacement(pb.boot_id, frozenset(pb.cores), pb.threads)
+    except ValueError:
+        return None

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.session_runner import Row, SessionRunner
@@ -172,6 +173,7 @@ class LlamaRunner(SessionRunner):
             dtype=f"gguf ({desc.value.decode(errors='replace')})",
             device=f"llama.cpp {options.device}",
             max_speculative_tokens=max_speculative_tokens,
+            cpu=this_placement(self.threads) if options.device == "cpu" else None,
         )
         log.info("%s: llama.cpp, %d K/V cells of %d bytes (%s), %d threads", path, self.cells,
                  self.bytes_per_token, options.kv_cache_type, self.threads)

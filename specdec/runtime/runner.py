@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime import batch_cache
 from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches
@@ -53,6 +54,7 @@ class ModelRunner(SessionRunner):
             dtype=str(loaded.dtype).removeprefix("torch."),
             device=str(self.device),
             max_speculative_tokens=max_speculative_tokens,
+            cpu=this_placement(torch.get_num_threads()) if self.device.type == "cpu" else None,
         )
         self.kv_spec, why = batch_cache.buffered_spec(self.model, self.device, loaded.dtype)
         if self.kv_spec is not None and not self._batches_agree():

@@ -3,7 +3,7 @@ from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -41,7 +41,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "tokenizer_vocab_size", "eos_token_ids", "max_context_length", "dtype", "device", "max_speculative_tokens")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "tokenizer_vocab_size", "eos_token_ids", "max_context_length", "dtype", "device", "max_speculative_tokens", "cpu")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -60,7 +61,18 @@ class ModelInfo(_message.Message):
     dtype: str
     device: str
     max_speculative_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
+    cpu: CpuPlacement
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., cpu: _Optional[_Union[CpuPlacement, _Mapping]] = ...) -> None: ...
+
+class CpuPlacement(_message.Message):
+    __slots__ = ("boot_id", "cores", "threads")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    cores: _containers.RepeatedScalarFieldContainer[int]
+    threads: int
+    def __init__(self, boot_id: _Optional[str] = ..., cores: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_round", "draft_seconds", "target_seconds", "coordinator_seconds", "draft_prefill_tokens", "target_prefill_tokens", "cache_misses", "accepted_per_position", "fallback_rounds", "target_retries", "draft_rounds", "ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens", "rounds_by_gamma", "gamma_per_round", "draft_hint_tokens", "draft_hint_accepted_tokens", "draft_ahead_calls", "draft_ahead_rounds")
