@@ -68,6 +68,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "target": {"model": {"name": "/models/qwen2.5-coder-1.5b-instruct"}, "cache": {"existingClaim": "hf-cache"}},
         "networkPolicy": {"coordinatorIngressFrom": [{"namespaceSelector": {"matchLabels": {"gateway": "true"}}}]},
     },
+    "kv-store": {"draft": {"kvChunks": {"store": True}},
+                 "target": {"kvChunks": {"store": True, "ttlSeconds": 600, "prefixCacheBytes": 0}}},
     "draft-disabled": {"draft": {"enabled": False}},
     "memory-store-no-metrics": {"redis": {"enabled": False}, "metrics": {"port": 0},
                                 "coordinator": {"replicaCount": 1}},
@@ -214,6 +216,9 @@ def test_lint_is_clean(name):
     ({"draft": {"model": {"backend": "onnx"}}}, "/draft/model/backend"),
     ({"target": {"model": {"threads": -1}}}, "/target/model/threads"),
     ({"target": {"model": {"kvCacheType": "q4_0"}}}, "/target/model/kvCacheType"),
+    ({"draft": {"kvChunks": {"chunkTokens": 0}}}, "/draft/kvChunks/chunkTokens"),
+    ({"target": {"kvChunks": {"cache": True}}}, "/target/kvChunks"),
+    ({"redis": {"maxmemory": "lots"}}, "/redis/maxmemory"),
 ])
 def test_schema_rejects_bad_values(chart, values, where):
     with pytest.raises(helm.HelmValuesError) as info:
@@ -393,6 +398,39 @@ def test_external_redis_url_takes_the_password_from_its_secret(rendered):
         "rediss://:$(REDIS_PASSWORD)@redis.db.internal:6380/2"
     names = [e["name"] for e in c["env"]]
     assert names.index("REDIS_PASSWORD") < names.index("SPECDEC_COORDINATOR_SESSION_STORE")
+
+
+def test_kv_chunks_go_to_the_charts_redis(rendered):
+    """kvChunks.store: each tier gets --kv-store as the session store's URL (its password from the
+    same Secret), Redis admits it, and Redis evicts the keys nearest expiry past its maxmemory."""
+    r = rendered["kv-store"]
+    for tier, ttl, prefix in (("draft", 3600, 268435456), ("target", 600, 0)):
+        c = container(r.one("Deployment", tier))
+        env = env_of(c)
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULL}-redis", "key": "redis-password"}
+        assert env[f"SPECDEC_{tier.upper()}_KV_STORE"]["value"] == f"redis://:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
+        names = [e["name"] for e in c["env"]]
+        assert names.index("REDIS_PASSWORD") < names.index(f"SPECDEC_{tier.upper()}_KV_STORE")
+        assert f"--kv-store-ttl-s={ttl}" in c["args"] and f"--prefix-cache-bytes={prefix}" in c["args"]
+        assert "--kv-chunk-tokens=256" in c["args"]
+    sources = r.one("NetworkPolicy", "redis")["spec"]["ingress"][0]["from"]
+    assert [s["podSelector"]["matchLabels"] for s in sources] == [
+        selector_labels("coordinator"), selector_labels("draft"), selector_labels("target")]
+    args = container(r.one("StatefulSet", "redis"))["args"]
+    assert args[args.index("--maxmemory") + 1] == "768mb"
+    assert args[args.index("--maxmemory-policy") + 1] == "volatile-ttl"
+    plain = rendered["defaults"]
+    for tier in ("draft", "target"):
+        c = container(plain.one("Deployment", tier))
+        assert f"SPECDEC_{tier.upper()}_KV_STORE" not in env_of(c) and "REDIS_PASSWORD" not in env_of(c)
+        assert not any(a.startswith("--kv-store-ttl-s") for a in c["args"])
+    assert len(plain.one("NetworkPolicy", "redis")["spec"]["ingress"][0]["from"]) == 1
+
+
+def test_kv_chunks_without_a_redis_fail_to_render(chart):
+    with pytest.raises(Exception, match="target.kvChunks.store needs a Redis"):
+        chart.render({"redis": {"enabled": False}, "target": {"kvChunks": {"store": True}}},
+                     name=RELEASE, namespace=NAMESPACE, is_install=True)
 
 
 def test_memory_store_and_metrics_off(rendered):

@@ -72,6 +72,33 @@ app.kubernetes.io/part-of: specdec
 {{- end }}
 
 {{/* The session store URL given to the coordinator (may reference $(REDIS_PASSWORD)). */}}
+{{/* The REDIS_PASSWORD variable the Redis URL expands, where Redis has a password (else nothing). */}}
+{{- define "specdec.redisPasswordEnv" -}}
+{{- $redis := .Values.redis }}
+{{- $secret := "" }}
+{{- $key := "" }}
+{{- if and $redis.enabled $redis.auth.enabled }}
+{{- $secret = include "specdec.redisSecretName" . }}
+{{- $key = $redis.auth.key }}
+{{- else if and (not $redis.enabled) $redis.external.url $redis.external.existingSecret }}
+{{- $secret = $redis.external.existingSecret }}
+{{- $key = $redis.external.key }}
+{{- end }}
+{{- if $secret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ $key }}
+{{- end }}
+{{- end }}
+
+{{/* Whether a model tier keeps K/V chunks in Redis ("true" or ""). */}}
+{{- define "specdec.kvStoreOn" -}}
+{{- $v := index .root.Values .component }}
+{{- if and $v.enabled $v.kvChunks.store }}true{{- end }}
+{{- end }}
+
 {{- define "specdec.sessionStore" -}}
 {{- $redis := .Values.redis }}
 {{- if $redis.enabled }}
@@ -94,6 +121,11 @@ app.kubernetes.io/part-of: specdec
 
 {{/* Fail early on values that cannot work together. */}}
 {{- define "specdec.validate" -}}
+{{- range $tier := list "draft" "target" }}
+{{- if and (include "specdec.kvStoreOn" (dict "root" $ "component" $tier)) (not $.Values.redis.enabled) (not $.Values.redis.external.url) }}
+{{- fail (printf "%s.kvChunks.store needs a Redis: redis.enabled, or redis.external.url" $tier) }}
+{{- end }}
+{{- end }}
 {{- if and .Values.redis.enabled .Values.redis.external.url }}
 {{- fail "redis.enabled and redis.external.url are both set: pick the in-chart Redis or the external one" }}
 {{- end }}

@@ -65,6 +65,11 @@ spec:
             - {{ printf "--kv-cache-type=%s" $v.model.kvCacheType | quote }}
             - {{ printf "--max-sessions=%d" (int64 $v.model.maxSessions) | quote }}
             - {{ printf "--kv-cache-bytes=%d" (int64 $v.model.kvCacheBytes) | quote }}
+            - {{ printf "--kv-chunk-tokens=%d" (int $v.kvChunks.chunkTokens) | quote }}
+            - {{ printf "--prefix-cache-bytes=%d" (int64 $v.kvChunks.prefixCacheBytes) | quote }}
+            {{- if $v.kvChunks.store }}
+            - {{ printf "--kv-store-ttl-s=%d" (int $v.kvChunks.ttlSeconds) | quote }}
+            {{- end }}
             - {{ printf "--metrics-port=%d" (int $root.Values.metrics.port) | quote }}
             {{- if $tls.enabled }}
             - {{ printf "--tls-cert-file=%s/tls.crt" $tlsDir | quote }}
@@ -76,6 +81,11 @@ spec:
             {{- end }}
           env:
             {{- include "specdec.hfEnv" $ctx | nindent 12 }}
+            {{- if $v.kvChunks.store }}
+            {{- with (include "specdec.redisPasswordEnv" $root) }}{{ . | nindent 12 }}{{- end }}
+            - name: {{ printf "SPECDEC_%s_KV_STORE" (upper $c) }}
+              value: {{ include "specdec.sessionStore" $root | quote }}
+            {{- end }}
             {{- with $v.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
