@@ -42,14 +42,15 @@ class SessionCalls:
         sid = run.record.session_id
         return await self._with_resend(run, Tier.DRAFT, lambda draft, prefix, new_tokens: draft.propose(
             sid, prefix, run.hashes.at(prefix), new_tokens, gamma, params, seed,
-            timeout_s=self.config.draft_timeout_s, hints=hints, min_confidence=min_confidence))
+            timeout_s=self.config.draft_timeout_s, hints=hints, min_confidence=min_confidence,
+            cache_salt=run.cache_salt))
 
     async def verify(self, run: RequestRun, drafts: list[int], proposal: Proposal, params: SamplingParams,
                      seed: int) -> Verdict:
         sid = run.record.session_id
         return await self._with_resend(run, Tier.TARGET, lambda target, prefix, new_tokens: target.verify(
             sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed,
-            wait_for_ready=False),
+            wait_for_ready=False, cache_salt=run.cache_salt),
             retry_s=self.config.target_retry_s)
 
     async def _with_resend(self, run: RequestRun, tier: Tier, call: Call, retry_s: float = 0.0) -> Any:
@@ -82,7 +83,7 @@ class SessionCalls:
                     backoff = min(backoff * 2, 1.0)
                 continue
             if run.calls[tier] == 0 or prefix == 0:  # what the replica had to prefill
-                run.stats.add_prefill(tier, len(new_tokens))
+                run.stats.add_prefill(tier, len(new_tokens), result.restored_tokens)
             run.calls[tier] += 1
             return result
 

@@ -103,17 +103,19 @@ class DraftClient(ServiceClient):
 
     async def propose(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                       gamma: int, params: SamplingParams, seed: int, timeout_s: float | None = None,
-                      hints: list[int] | None = None, min_confidence: float = 0.0) -> Proposal:
-        """Fails fast (no waiting for a connection): a missing draft makes the round target-only."""
+                      hints: list[int] | None = None, min_confidence: float = 0.0,
+                      uncommitted: int = 0, cache_salt: str = "") -> Proposal:
+        """Fails fast (no waiting for a connection): a missing draft makes the round target-only.
+        uncommitted: the history's last tokens that are drafts (a call made ahead)."""
         request = draft_pb2.ProposeRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed, hint_tokens=hints,
-            min_confidence=min_confidence,
+            min_confidence=min_confidence, uncommitted_tokens=uncommitted, cache_salt=cache_salt,
         )
         response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False,
                                    stream=self.propose_stream)
         return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
-                        response.cached_len, response.num_hint_tokens_kept)
+                        response.cached_len, response.num_hint_tokens_kept, response.restored_tokens)
 
     async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
         request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
@@ -141,17 +143,17 @@ class TargetClient(ServiceClient):
 
     async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                      drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams,
-                     seed: int, wait_for_ready: bool = True) -> Verdict:
+                     seed: int, wait_for_ready: bool = True, cache_salt: str = "") -> Verdict:
         request = target_pb2.VerifyRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             draft_tokens=drafts,
             draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
-            sampling=sampling_to_pb(params), seed=seed,
+            sampling=sampling_to_pb(params), seed=seed, cache_salt=cache_salt,
         )
         response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready,
                                    stream=self.verify_stream)
         return Verdict(response.num_accepted, response.next_token, response.is_bonus,
-                       list(response.accept_probs), response.cached_len)
+                       list(response.accept_probs), response.cached_len, response.restored_tokens)
 
     async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
         request = target_pb2.TargetServiceReleaseRequest(session_id=session_id)

@@ -161,7 +161,8 @@ class Engine:
     async def _run(self, request: GenerationRequest, record: SessionRecord, lease: Lease,
                    added: list[int], max_new: int, mode: SpeculationMode) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
-        run = RequestRun(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids))
+        run = RequestRun(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids),
+                         cache_salt=request.cache_salt)
         run.commit(added)
         record.requests += 1
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here

@@ -16,6 +16,7 @@ from specdec.types import Proposer, SamplingParams
 from coordinator.chat import render_messages
 
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()                       # stop strings (excluded from the output)
     ignore_eos: bool = False                         # keep going past end-of-sequence
     proposer: Proposer | str | None = None           # None = the coordinator's default
+    cache_salt: str = ""                             # mixed into the services' K/V chunk keys
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ def request_limits(request: GenerationRequest, config: CoordinatorConfig,
         raise InvalidArgument(
             f"proposer must be one of {', '.join(Proposer)} (PROPOSER_AUTO, PROPOSER_DRAFT, "
             f"PROPOSER_NGRAM, PROPOSER_NONE), got {name!r}")
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
+                              f"got {len(request.cache_salt)}")
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
     return max_new, SpeculationMode(Proposer(name), gamma)

@@ -42,6 +42,7 @@ class RequestRun:
     hashes: PrefixHashes = field(default_factory=PrefixHashes)  # fingerprints of record.token_ids' prefixes
     calls: dict[Tier, int] = field(default_factory=lambda: {tier: 0 for tier in Tier})  # answered calls per tier
     predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
+    cache_salt: str = ""  # the request's: mixed into the services' K/V chunk keys
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)

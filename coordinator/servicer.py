@@ -49,6 +49,7 @@ def request_from_pb(pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
         stop=tuple(pb.stop),
         ignore_eos=pb.ignore_eos,
         proposer=proposer_from_pb(pb.proposer),
+        cache_salt=pb.cache_salt,
     )
 
 

@@ -23,6 +23,8 @@ class GenerationStats:
     coordinator_seconds: float = 0.0
     draft_prefill_tokens: int = 0
     target_prefill_tokens: int = 0
+    draft_restored_tokens: int = 0   # of draft_prefill_tokens, loaded from K/V chunks instead of run
+    target_restored_tokens: int = 0  # of target_prefill_tokens, loaded from K/V chunks instead of run
     cache_misses: int = 0
     fallback_rounds: int = 0
     target_retries: int = 0
@@ -46,12 +48,15 @@ class GenerationStats:
     def tokens_per_round(self) -> float:
         return self.generated_tokens / self.rounds if self.rounds else 0.0
 
-    def add_prefill(self, tier: Tier, tokens: int) -> None:
-        """`tokens` the tier's replica had to prefill (a request's first call, or a resend)."""
+    def add_prefill(self, tier: Tier, tokens: int, restored: int = 0) -> None:
+        """`tokens` the tier's replica had to prefill (a request's first call, or a resend), of
+        which it loaded `restored` from K/V chunks."""
         if tier == Tier.DRAFT:
             self.draft_prefill_tokens += tokens
+            self.draft_restored_tokens += restored
         else:
             self.target_prefill_tokens += tokens
+            self.target_restored_tokens += restored
 
     def record_round(self, gamma: int, accepted: int, source: Proposer = Proposer.DRAFT,
                      hints_kept: int = 0) -> None:

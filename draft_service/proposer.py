@@ -42,6 +42,8 @@ class ProposeCall:
     seed: int
     hints: tuple[int, ...] = ()  # candidate tokens checked in the first forward (may be empty)
     min_confidence: float = 0.0  # stop after a drafted token the draft gave less probability (0 = off)
+    uncommitted: int = 0  # trailing tokens of the history that are drafts not yet accepted (a call made ahead)
+    cache_salt: str = ""  # mixed into its K/V chunk keys
 
 
 @dataclass
@@ -88,7 +90,7 @@ class ModelProposer:
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], gamma: int,
              params: SamplingParams, seed: int, hints: Sequence[int] = (),
-             min_confidence: float = 0.0) -> ProposeCall:
+             min_confidence: float = 0.0, uncommitted: int = 0, cache_salt: str = "") -> ProposeCall:
         """Validate a request without touching any cache."""
         limit = self.runner.description.max_speculative_tokens
         if not 0.0 <= min_confidence < 1.0:  # (NaN fails too)
@@ -100,8 +102,11 @@ class ModelProposer:
                                   f"most draft tokens a call may return), got {gamma} + {len(hints)}")
         self.runner.check_token_ids(hints, "hint_tokens")
         self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1 + len(hints))
+        if not 0 <= uncommitted <= prefix_len + len(new_tokens):
+            raise InvalidArgument(f"uncommitted_tokens must be in [0, prefix_len + len(new_tokens)] = "
+                                  f"[0, {prefix_len + len(new_tokens)}], got {uncommitted}")
         return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed, tuple(hints),
-                           min_confidence)
+                           min_confidence, uncommitted, cache_salt)
 
     def _check_hints(self, drafting: _Drafting, logits: torch.Tensor) -> None:
         """The first step of a call with hints: logits [hints + 1, vocab], row i the draft's
@@ -170,13 +175,16 @@ class ModelProposer:
         results: list[Proposal | Exception | None] = [None] * len(calls)
         live: list[_Drafting] = []
         rows: list[Row] = []
+        started: list[tuple[ProposeCall, SessionCache]] = []
         for index, call in enumerate(calls):
             try:
-                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens)
+                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens,
+                                           call.cache_salt)
             except Exception as exc:  # noqa: BLE001 - this call's error, not the batch's
                 results[index] = exc
                 continue
             live.append(_Drafting(index, call, entry, make_generator(call.seed, runner.device)))
+            started.append((call, entry))
             rows.append(Row(call.session_id, entry, [*feed, *call.hints], 1 + len(call.hints)))
         while live:
             try:
@@ -203,9 +211,12 @@ class ModelProposer:
                     still.append(drafting)
                 else:
                     results[drafting.index] = Proposal(drafting.tokens, drafting.dists, len(drafting.entry),
-                                                       drafting.hints_kept)
+                                                       drafting.hints_kept,
+                                                       runner.take_restored(drafting.call.session_id))
             live = still
             rows = [Row(d.call.session_id, d.entry, d.tokens[-1:], 1) for d in live]
+        for call, entry in started:  # its history is committed; a call made ahead's last ones are not
+            runner.keep_committed(entry, call.prefix_len + len(call.new_tokens) - call.uncommitted, call.cache_salt)
         runner.finish([call.session_id for call in calls])
         return results
 

@@ -45,7 +45,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         call = self.proposer.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
-            list(request.hint_tokens), request.min_confidence,
+            list(request.hint_tokens), request.min_confidence, request.uncommitted_tokens,
+            request.cache_salt,
         )
         proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline)
         return draft_pb2.ProposeResponse(
@@ -53,6 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             draft_probs=[dist_to_pb(d) for d in proposal.draft_probs],
             cached_len=proposal.cached_len,
             num_hint_tokens_kept=proposal.hints_kept,
+            restored_tokens=proposal.restored_tokens,
         )
 
     @map_errors

@@ -65,6 +65,16 @@ class ModelServiceConfig(ServerTlsConfig):
     max_sessions: int = opt(256, "most sessions whose KV cache is kept (LRU beyond)")
     kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond)")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
+    kv_store: str = opt("", "shared store of K/V chunks: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for "
+                        "TLS), memory:// (this process only), or empty (off). A session this replica "
+                        "lacks, and a new session's prompt, load the chunks found there instead of "
+                        "prefilling them (torch backend with K/V buffers)")
+    kv_store_ttl_s: float = opt(3600.0, "seconds a K/V chunk is kept in --kv-store after its last write")
+    kv_chunk_tokens: int = opt(256, "tokens per K/V chunk of the prefix cache and --kv-store (the same on "
+                               "every replica of a model: keys depend on it)")
+    prefix_cache_bytes: int = opt(256 << 20, "memory for recently used K/V chunks, in addition to "
+                                  "--kv-cache-bytes, so sessions that share a prompt prefix on this "
+                                  "replica prefill it once (0 = off)")
     prefill_chunk: int = opt(512, "longest input run in one forward; longer prompts are prefilled in "
                              "chunks, with other sessions' calls in between")
     max_queue: int = opt(256, "calls waiting for the model at most; more get RESOURCE_EXHAUSTED")

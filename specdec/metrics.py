@@ -25,6 +25,25 @@ SERVICES = ("coordinator", "draft", "target")
 ROUND_SOURCES = tuple(p.value for p in Proposer if p != Proposer.AUTO)  # a round's proposer label
 STAGES = ("draft", "verify", "store", "coordinator")
 WATCHABLE = ("active_sessions", "cached_sessions", "kv_cache_bytes", "queue_depth")
+# the K/V chunk metrics of a draft or target service (read from its runner's KV tier when scraped)
+KV_CHUNK_COUNTERS = {
+    "specdec_kv_restored_tokens": "history tokens loaded from K/V chunks instead of prefilled",
+    "specdec_kv_prefix_cache_hits": "K/V chunks found in this replica's prefix cache",
+    "specdec_kv_store_hits": "K/V chunks read from the KV store",
+    "specdec_kv_store_misses": "K/V chunks looked up in the KV store and not found",
+    "specdec_kv_chunks_rejected": "K/V chunks found but unusable (corrupt, another layout or model)",
+    "specdec_kv_restore_seconds": "time spent looking K/V chunks up and loading them",
+    "specdec_kv_chunks_kept": "K/V chunks of committed history copied out after calls",
+    "specdec_kv_store_bytes_read": "bytes of K/V chunks read from the KV store",
+    "specdec_kv_store_bytes_written": "bytes of K/V chunks written to the KV store",
+    "specdec_kv_store_chunks_written": "K/V chunks written to the KV store",
+    "specdec_kv_store_writes_skipped": "K/V chunks not written: the writer's queue was full",
+    "specdec_kv_store_writes_failed": "K/V chunks not written: the store failed",
+}
+KV_CHUNK_GAUGES = {
+    "specdec_kv_store_up": "1 while the KV store answers, 0 while reads skip it",
+    "specdec_kv_prefix_cache_bytes": "bytes held by this replica's prefix cache",
+}
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
@@ -145,6 +164,11 @@ class Metrics:
                 raise ValueError(f"gauge must be one of {', '.join(WATCHABLE)}, got {name!r}")
             getattr(self, name).set_function(read)
 
+    def watch_kv_chunks(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Expose the K/V chunk counters and gauges (KV_CHUNK_COUNTERS, KV_CHUNK_GAUGES) that
+        `read()` returns when /metrics is scraped; a name it leaves out is not exposed."""
+        self.registry.register(_KVChunkCollector(read))
+
     def active(self) -> ContextManager:
         """`with metrics.active():` counts a request in specdec_active_sessions while it runs."""
         return self.active_sessions.track_inprogress()
@@ -164,6 +188,27 @@ class Metrics:
         except OSError as exc:
             raise OSError(f"cannot serve /metrics on {host}:{port} (--metrics-port): {exc}") from exc
         return MetricsServer(server, thread)
+
+
+class _KVChunkCollector:
+    """A collector of the values `read()` returns, at scrape time."""
+
+    def __init__(self, read: Callable[[], Mapping[str, float]]):
+        self.read = read
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        values = self.read()
+        for name, help_text in KV_CHUNK_COUNTERS.items():
+            if name in values:
+                yield CounterMetricFamily(name, help_text, value=float(values[name]))
+        for name, help_text in KV_CHUNK_GAUGES.items():
+            if name in values:
+                yield GaugeMetricFamily(name, help_text, value=float(values[name]))
+
+    def describe(self):
+        return []  # values appear only once read: nothing to check at registration
 
 
 def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> MetricsServer | None:

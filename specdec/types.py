@@ -126,6 +126,7 @@ class Proposal:
     draft_probs: list[SparseDist]
     cached_len: int = 0
     hints_kept: int = 0  # leading draft tokens that are hints the draft agreed with
+    restored_tokens: int = 0  # history tokens whose K/V were loaded from chunks, not run
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class Verdict:
     is_bonus: bool
     accept_probs: list[float] = field(default_factory=list)
     cached_len: int = 0
+    restored_tokens: int = 0  # history tokens whose K/V were loaded from chunks, not run
 
     def committed(self, draft_tokens: list[int]) -> list[int]:
         """The tokens this round commits: accepted drafts plus the target's own token."""

@@ -40,6 +40,9 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
                           "(env SPECDEC_GENERATE_PROPOSER)")
     gen.add_argument("--session", default=env_default("generate", "session", ""),
                      help="continue this session (env SPECDEC_GENERATE_SESSION)")
+    gen.add_argument("--cache-salt", default=env_default("generate", "cache_salt", ""),
+                     help="mixed into the keys of the K/V chunks kept of this request's history: "
+                          "requests with other salts never reuse them (env SPECDEC_GENERATE_CACHE_SALT)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going after end-of-sequence")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
@@ -83,7 +86,7 @@ def build_request(args: argparse.Namespace) -> Any:
         sampling.seed = args.seed
     request = coordinator_pb2.GenerateRequest(session_id=args.session, sampling=sampling,
                                               max_new_tokens=args.max_new_tokens, stop=args.stop,
-                                              ignore_eos=args.ignore_eos)
+                                              ignore_eos=args.ignore_eos, cache_salt=args.cache_salt)
     if args.chat:
         request.messages.messages.append(coordinator_pb2.ChatMessage(role="user", content=args.prompt))
     else:

@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     choices=choices_of(Quantization),
                     help="the draft's linear layers in weight-only int8: faster draft steps on a CPU, "
                          "same output; auto = int8 on a CPU unless float64 (env SPECDEC_UP_DRAFT_QUANTIZE)")
+    up.add_argument("--kv-store", default=env_default("up", "kv_store", ""),
+                    help="the draft's and the target's --kv-store: redis://[:PASSWORD@]HOST:PORT/DB "
+                         "(rediss:// for TLS) where they keep K/V chunks of sessions' history; "
+                         "empty = off (env SPECDEC_UP_KV_STORE)")
     up.add_argument("--port", type=int, default=env_default("up", "port", DEFAULT_PORT),
                     help="coordinator port; draft and target take the next two (env SPECDEC_UP_PORT)")
     up.add_argument("--startup-timeout", type=float, default=env_default("up", "startup_timeout", 600.0),
@@ -71,11 +75,13 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
              addresses: dict[str, str]) -> dict[str, list[str]]:
     """The `specdec serve ...` command line of each child."""
     port = args.port
+    kv_store = ["--kv-store", args.kv_store] if args.kv_store else []
     return {
         "draft": SERVE + ["draft", "--model", draft_model, "--backend", args.backend, "--dtype", args.dtype,
-                          "--device", args.device, "--port", str(port + 1), "--quantize", args.draft_quantize],
+                          "--device", args.device, "--port", str(port + 1), "--quantize", args.draft_quantize,
+                          *kv_store],
         "target": SERVE + ["target", "--model", target_model, "--backend", args.backend, "--dtype", args.dtype,
-                           "--device", args.device, "--port", str(port + 2)],
+                           "--device", args.device, "--port", str(port + 2), *kv_store],
         "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target",
                                 addresses["target"], "--port", str(port)],
     }

@@ -45,13 +45,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         call = self.verifier.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
-            sampling_from_pb(request.sampling), request.seed,
+            sampling_from_pb(request.sampling), request.seed, request.cache_salt,
         )
         verdict = await run_call(self.scheduler, self.verifier.runner, call, deadline)
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             is_bonus=verdict.is_bonus, accept_probs=verdict.accept_probs,
             cached_len=verdict.cached_len,
+            restored_tokens=verdict.restored_tokens,
         )
 
     @map_errors

@@ -29,6 +29,7 @@ class VerifyCall:
     draft_q: DraftQ | None  # None when greedy (q is not needed)
     params: SamplingParams
     seed: int
+    cache_salt: str = ""  # mixed into its K/V chunk keys
 
 
 class Verifier:
@@ -36,7 +37,8 @@ class Verifier:
         self.runner = runner
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
-             drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams, seed: int) -> VerifyCall:
+             drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams, seed: int,
+             cache_salt: str = "") -> VerifyCall:
         """Validate a request without touching any cache (InvalidArgument naming what is wrong)."""
         runner = self.runner
         gamma = len(drafts)
@@ -50,7 +52,8 @@ class Verifier:
         draft_q = None
         if not params.greedy and gamma:
             draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size, runner.device)
-        return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed)
+        return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed,
+                          cache_salt)
 
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[Verdict | Exception]:
         """Run on the model worker: roll each session back, ONE forward over every row's new
@@ -63,7 +66,8 @@ class Verifier:
         rows: list[Row] = []
         for index, call in enumerate(calls):
             try:
-                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens)
+                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens,
+                                           call.cache_salt)
             except Exception as exc:  # noqa: BLE001 - this row's error, not the batch's
                 results[index] = exc
                 continue
@@ -81,6 +85,9 @@ class Verifier:
                 results[index] = self._accept(calls[index], entry, row_logits)
             except Exception as exc:  # noqa: BLE001
                 results[index] = exc
+                continue
+            call = calls[index]
+            runner.keep_committed(entry, call.prefix_len + len(call.new_tokens), call.cache_salt)
         runner.finish([call.session_id for call in calls])
         return results
 
@@ -95,7 +102,7 @@ class Verifier:
             verdict = accept_sampled(call.drafts, call.draft_q or DraftQ.from_dense(p[:0], []), p, generator)
         entry.crop(len(entry) - len(call.drafts) + verdict.num_accepted)
         return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs,
-                       len(entry))
+                       len(entry), self.runner.take_restored(call.session_id))
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)

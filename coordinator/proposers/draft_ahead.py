@@ -67,7 +67,7 @@ class AheadCall:
         seed = rnd.rng.peek_round_seeds()[0]
         self.future = asyncio.ensure_future(_propose_ahead(
             client, run.record.session_id, rnd.base + k - 1, prefix_hash, drafts[-1], steps, rnd.params,
-            seed, rnd.plan.min_confidence, timeout_s))
+            seed, rnd.plan.min_confidence, timeout_s, k, run.cache_salt))
 
     async def settle(self, verdict: Verdict) -> None:
         """Keep the drafts made ahead for the next round when the target took every draft and
@@ -94,11 +94,13 @@ class AheadCall:
 
 async def _propose_ahead(client: DraftClient, session_id: str, prefix_len: int, prefix_hash: int, token: int,
                          steps: int, params: SamplingParams, seed: int, min_confidence: float,
-                         timeout_s: float) -> Proposal | None:
-    """The call made ahead; None when it fails (the next round then calls the draft as usual)."""
+                         timeout_s: float, drafted: int, cache_salt: str) -> Proposal | None:
+    """The call made ahead; None when it fails (the next round then calls the draft as usual).
+    Its history ends in the round's `drafted` drafts, which the target has not accepted yet."""
     try:
         return await client.propose(session_id, prefix_len, prefix_hash, [token], steps, params, seed,
-                                    timeout_s=timeout_s, min_confidence=min_confidence)
+                                    timeout_s=timeout_s, min_confidence=min_confidence, uncommitted=drafted,
+                                    cache_salt=cache_salt)
     except SpecdecError as exc:
         log.debug("session %s: the draft call made ahead failed (%s)", session_tag(session_id), exc)
         return None

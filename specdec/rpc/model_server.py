@@ -24,6 +24,8 @@ def serve_model(config, kind: str, default_port: int, servicer, add_to_server, s
     servicer.scheduler.on_batch = metrics.observe_batch
     metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
                   kv_cache_bytes=runner.caches.total_bytes)
+    if runner.kv_tier is not None:
+        metrics.watch_kv_chunks(runner.kv_tier.metrics)
     try:
         metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
     except OSError:

@@ -27,6 +27,7 @@ class SessionCall(Protocol):
     prefix_len: int
     prefix_hash: int
     new_tokens: Sequence[int]
+    cache_salt: str
 
 
 C = TypeVar("C", bound=SessionCall)
@@ -54,7 +55,7 @@ async def run_call(scheduler: BatchScheduler, runner: ModelRunner, call: C, dead
     for attempt in range(PREFILL_ATTEMPTS):
         while True:
             length, prefix_hash = await worker.run(runner.prefill_step, call.session_id, sequence, upto,
-                                                   deadline=deadline)
+                                                   call.cache_salt, deadline=deadline)
             if length >= upto:
                 break
         final = dataclasses.replace(call, prefix_len=upto, prefix_hash=prefix_hash,

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 
 from specdec.runtime.session_runner import SessionRunner
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend, Quantization
+
+log = logging.getLogger(__name__)
 
 
 def llama_cpp_installed() -> bool:
@@ -39,6 +43,9 @@ def runner_from_config(config) -> SessionRunner:
         options = LlamaOptions(threads=config.threads, kv_cache_type=config.kv_cache_type,
                                kv_cache_tokens=config.kv_cache_tokens,
                                batch_tokens=max(config.prefill_chunk, 64), device=config.device)
+        if config.kv_store:
+            log.warning("%s: no K/V store on the llama.cpp backend (its K/V pool is not cut into "
+                        "chunks); --kv-store is ignored", config.model)
         return LlamaRunner(config.model, config.max_sessions, config.kv_cache_bytes,
                            config.max_speculative_tokens, config.prefill_chunk, options)
     import torch
@@ -52,4 +59,39 @@ def runner_from_config(config) -> SessionRunner:
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
                         getattr(config, "quantize", Quantization.NONE))
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
-    return ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
+    runner = ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
+    runner.kv_tier = kv_tier_for(runner, config)
+    return runner
+
+
+def kv_tier_for(runner, config):
+    """The prefix cache and K/V store --prefix-cache-bytes and --kv-store ask for, where the
+    runner's K/V can be cut into chunks (None otherwise, said in the log)."""
+    if not config.kv_store and config.prefix_cache_bytes <= 0:
+        return None
+    if config.kv_chunk_tokens < 1:
+        raise ValueError(f"--kv-chunk-tokens must be >= 1, got {config.kv_chunk_tokens}")
+    if runner.kv_spec is None:
+        log.warning("%s: no prefix cache or K/V store: its K/V is a DynamicCache per session, which is "
+                    "not cut into chunks", runner.description.model_id)
+        return None
+    from specdec.kv_chunks import ChunkLayout, model_fingerprint
+    from specdec.kv_store import ChunkWriter, open_chunk_store
+    from specdec.runtime.kv_tier import KVTier, PrefixCache, weights_digest
+
+    model_config = {k: v for k, v in runner.model.config.to_dict().items() if not k.startswith("_")
+                    and k != "transformers_version"}  # not the path it was loaded from
+    identity = {"engine": "torch", "model_id": runner.description.model_id, "dtype": runner.description.dtype,
+                "config": json.dumps(model_config, sort_keys=True, default=str)}
+    store = open_chunk_store(config.kv_store, config.kv_store_ttl_s)
+    if store is not None:  # shared with other replicas: the weights themselves must agree
+        identity["weights"] = weights_digest(runner.model)
+        identity.pop("model_id")  # a path differs between replicas; the weights do not
+    cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+    tier = KVTier(model_fingerprint(identity), ChunkLayout.from_spec(runner.kv_spec, config.kv_chunk_tokens),
+                  cache, store, None if store is None else ChunkWriter(store),
+                  runner.read_chunk, runner.load_chunks)
+    tier.layout_device = runner.kv_spec.device
+    log.info("%s: K/V chunks of %d tokens: prefix cache %s, store %s", runner.description.model_id,
+             config.kv_chunk_tokens, f"{config.prefix_cache_bytes} bytes" if cache else "off", store or "off")
+    return tier

@@ -154,6 +154,8 @@ class SessionCache:
     hashes: PrefixHashes = field(default_factory=PrefixHashes)
     accounted: int = 0  # bytes counted for it in SessionCaches' total
     kept: bool = False  # in a SessionCaches (its bytes count there)
+    chunks_kept_upto: int = 0  # leading tokens whose full chunks are in the prefix cache / store
+    chunk_salt: str = ""  # the cache salt those chunks were keyed with
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -179,6 +181,7 @@ class SessionCache:
             return False
         del self.tokens[length:]
         self.hashes.truncate(length)
+        self.chunks_kept_upto = min(self.chunks_kept_upto, length)
         return True
 
 

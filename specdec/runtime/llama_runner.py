@@ -159,6 +159,7 @@ class LlamaRunner(SessionRunner):
         self.closed: collections.deque[int] = collections.deque()  # dropped, cleared at the next finish()
         self.prefill_chunk = max(1, prefill_chunk)
         self.tokens_run = 0
+        self.restored = {}
         self.device = torch.device("cpu")  # where the logits are handed over
         self.context_length = min(int(llama.llama_model_n_ctx_train(self.model)), self.cells)
         desc = ctypes.create_string_buffer(256)

@@ -40,6 +40,7 @@ class ModelRunner(SessionRunner):
         self.caches = caches
         self.prefill_chunk = max(1, prefill_chunk)
         self.tokens_run = 0  # tokens forwarded since start (prefill work included)
+        self.restored = {}
         head = self.model.get_output_embeddings()  # out_features: an int8 head has no .weight
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.embedding_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -81,6 +82,23 @@ class ModelRunner(SessionRunner):
         self.tokens_run = 0
         return all(torch.allclose(b, a, rtol=0.02, atol=0.02 * float(a.abs().max()))
                    for a, b in zip(alone, batched))
+
+    def read_chunk(self, entry: SessionCache, begin: int, end: int) -> torch.Tensor:
+        """A copy of the session's K/V at positions [begin, end) -> [layers, 2, kv_heads, n, head_dim]."""
+        return entry.kv.data[:, :, :, begin:end].clone()
+
+    def load_chunks(self, entry: SessionCache, chunks: list[torch.Tensor], tokens: Sequence[int]) -> None:
+        """Append `tokens` whose K/V are the chunks (each [layers, 2, kv_heads, n, head_dim]) in order."""
+        held, buffer = len(entry), entry.kv
+        buffer.reserve(held + len(tokens), held)
+        at = held
+        for chunk in chunks:
+            n = chunk.shape[3]
+            buffer.data[:, :, :, at:at + n].copy_(chunk)
+            at += n
+        if at != held + len(tokens):
+            raise ValueError(f"{at - held} positions of chunks for {len(tokens)} tokens")
+        entry.append(tokens)
 
     def new_entry(self) -> SessionCache:
         """An empty session cache of the kind this model uses."""

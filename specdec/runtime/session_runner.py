@@ -34,7 +34,8 @@ class SessionRunner:
     """One model, many sessions: the engine-independent half of a runner.
 
     An engine sets caches, prefill_chunk, context_length, embedding_size, vocab_size,
-    description, device, tokenizer and tokens_run, and implements new_entry and forward_batch."""
+    description, device, tokenizer, tokens_run and restored (an empty dict), and implements
+    new_entry and forward_batch."""
 
     caches: SessionCaches
     prefill_chunk: int
@@ -45,6 +46,8 @@ class SessionRunner:
     device: Any  # the torch device of the logits forward_batch returns
     tokenizer: Any  # the model's transformers tokenizer
     tokens_run: int  # tokens forwarded since start (prefill work included)
+    kv_tier: Any = None  # a KVTier (kv_tier.py) where the engine can move K/V chunks, else None
+    restored: dict[str, int]  # per session, tokens restored from chunks not yet reported by a call
 
     def new_entry(self) -> SessionCache:
         """An empty session cache of the kind this engine uses."""
@@ -92,18 +95,29 @@ class SessionRunner:
             raise CacheMiss(session_id, 0 if entry is None else len(entry), prefix_len)
         return entry
 
-    def _reusing(self, session_id: str, sequence: Sequence[int], limit: int) -> SessionCache:
+    def _reusing(self, session_id: str, sequence: Sequence[int], limit: int, salt: str = "") -> SessionCache:
         """The session's cache cropped to its longest common prefix with sequence[:limit]
-        (a fresh cache when nothing is shared)."""
+        (a fresh cache when nothing is shared), extended by the K/V chunks of the rest the K/V
+        tier finds (keys salted with `salt`)."""
         entry = self.caches.get(session_id)
         keep = 0 if entry is None else common_prefix(entry.tokens, sequence[:limit])
         if entry is None or keep == 0 or not entry.crop(keep):
             entry = self.new_entry()
             self.caches.put(session_id, entry)
+        if self.kv_tier is not None:
+            restored = self.kv_tier.restore(entry, sequence, limit, salt)
+            if restored:
+                self.caches.account(entry)
+                self.restored[session_id] = self.restored.get(session_id, 0) + restored
         return entry
 
+    def take_restored(self, session_id: str) -> int:
+        """Tokens restored from chunks for the session since this was last asked (its prefill
+        steps' and its final step's): what its call reports."""
+        return self.restored.pop(session_id, 0)
+
     def begin(self, session_id: str, prefix_len: int, prefix_hash: int,
-              new_tokens: Sequence[int]) -> tuple[SessionCache, Sequence[int]]:
+              new_tokens: Sequence[int], salt: str = "") -> tuple[SessionCache, Sequence[int]]:
         """Roll the session back to what the call assumes: (cache, tokens still to run).
 
         prefix_len 0 assumes nothing: the call carries the whole history and the cache keeps
@@ -111,7 +125,7 @@ class SessionRunner:
         reuses the finished work). The last token is always run again, for its logits.
         """
         if prefix_len == 0:
-            entry = self._reusing(session_id, new_tokens, len(new_tokens) - 1)
+            entry = self._reusing(session_id, new_tokens, len(new_tokens) - 1, salt)
             return entry, new_tokens[len(entry):]
         entry = self._held(session_id, prefix_len, prefix_hash)
         if not entry.crop(prefix_len):
@@ -124,16 +138,18 @@ class SessionRunner:
             return array("i")
         return self._held(session_id, prefix_len, prefix_hash).tokens[:prefix_len]
 
-    def prefill_step(self, session_id: str, sequence: Sequence[int], upto: int) -> tuple[int, int]:
+    def prefill_step(self, session_id: str, sequence: Sequence[int], upto: int,
+                     salt: str = "") -> tuple[int, int]:
         """Advance the session towards holding sequence[:upto] by at most one chunk.
 
         Safe to interleave with other calls on the session: each step starts from the longest
         common prefix of what the cache holds. Returns (tokens held, their fingerprint).
         """
-        entry = self._reusing(session_id, sequence, upto)
+        entry = self._reusing(session_id, sequence, upto, salt)
         held = len(entry)
         if held < upto:
             self.forward(session_id, entry, sequence[held:min(held + self.prefill_chunk, upto)], 1)
+        self.keep_committed(entry, len(entry), salt)
         self.finish(session_id)
         return len(entry), entry.hashes.at(len(entry))
 
@@ -143,6 +159,12 @@ class SessionRunner:
 
         -> [keep_logits, vocab]."""
         return self.forward_batch([Row(session_id, entry, tokens, keep_logits)])[0]
+
+    def keep_committed(self, entry: SessionCache, committed: int, salt: str = "") -> None:
+        """After a call: hand the full chunks of the session's first `committed` tokens (its
+        committed history, never drafts) to the K/V tier, keyed with `salt`."""
+        if self.kv_tier is not None:
+            self.kv_tier.keep(entry, committed, salt)
 
     def finish(self, keep: str | Iterable[str], extra_bytes: int = 0) -> None:
         """Apply the cache bounds after a call (never evicting the sessions just used), or before
@@ -154,4 +176,5 @@ class SessionRunner:
     def release(self, session_id: str) -> bool:
         """Forget a session's cache. Never waits for the model: a forward running on it keeps
         its own reference and the memory is freed when it ends."""
+        self.restored.pop(session_id, None)
         return self.caches.release(session_id)

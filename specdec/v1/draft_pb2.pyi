@@ -20,7 +20,7 @@ class DraftServiceGetModelInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash", "hint_tokens", "min_confidence")
+    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash", "hint_tokens", "min_confidence", "uncommitted_tokens", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class ProposeRequest(_message.Message):
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     HINT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    UNCOMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -39,19 +41,23 @@ class ProposeRequest(_message.Message):
     prefix_hash: int
     hint_tokens: _containers.RepeatedScalarFieldContainer[int]
     min_confidence: float
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., hint_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+    uncommitted_tokens: int
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., hint_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., uncommitted_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_tokens", "draft_probs", "cached_len", "num_hint_tokens_kept")
+    __slots__ = ("draft_tokens", "draft_probs", "cached_len", "num_hint_tokens_kept", "restored_tokens")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_HINT_TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     cached_len: int
     num_hint_tokens_kept: int
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., num_hint_tokens_kept: _Optional[int] = ...) -> None: ...
+    restored_tokens: int
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., num_hint_tokens_kept: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeStreamRequest(_message.Message):
     __slots__ = ("call_id", "request", "timeout_ms")

@@ -20,7 +20,7 @@ class TargetServiceGetModelInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "new_tokens", "draft_tokens", "draft_probs", "sampling", "seed", "prefix_hash")
+    __slots__ = ("session_id", "prefix_len", "new_tokens", "draft_tokens", "draft_probs", "sampling", "seed", "prefix_hash", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class VerifyRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -37,21 +38,24 @@ class VerifyRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     seed: int
     prefix_hash: int
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "is_bonus", "accept_probs", "cached_len")
+    __slots__ = ("num_accepted", "next_token", "is_bonus", "accept_probs", "cached_len", "restored_tokens")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IS_BONUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     is_bonus: bool
     accept_probs: _containers.RepeatedScalarFieldContainer[float]
     cached_len: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., accept_probs: _Optional[_Iterable[float]] = ..., cached_len: _Optional[int] = ...) -> None: ...
+    restored_tokens: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., accept_probs: _Optional[_Iterable[float]] = ..., cached_len: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyStreamRequest(_message.Message):
     __slots__ = ("call_id", "request", "timeout_ms")
