@@ -40,6 +40,11 @@ Exploration: a source with fewer than `warmup_rounds` observed rounds is tried w
 the source wins on its own again — so α never freezes, and a useless draft costs a bounded,
 shrinking number of rounds. A source that was winning and stopped (a few rejections pulled its
 α down) is first probed after `lapsed_probe_interval` rounds: a good draft comes back quickly.
+A session that started from the coordinator-wide draft α (`seed`) counts the draft's idle rounds
+and probe interval on the coordinator's shared `ProbeClock` instead of its own: the draft's
+acceptance belongs to the pair, so one probe refreshes it for every session, and a draft that
+does not pay is not probed again by each new session (each probe of a session that has not
+called the draft yet carries its whole history as a catch-up prefill).
 """
 
 from __future__ import annotations
@@ -257,10 +262,19 @@ class Choice:
 
 
 @dataclass
+class ProbeClock:
+    """When an unused source is probed next: the rounds it has been eligible and not chosen, and
+    the interval after which it is probed. A session's own, or one shared by the sessions of a
+    coordinator (`SessionPolicy.probe_clock`)."""
+
+    interval: int  # probe once idle reaches this
+    idle: int = 0  # eligible rounds since it was last chosen
+
+
+@dataclass
 class _SourceState:
     acceptance: AcceptanceEstimate
-    probe_interval: int
-    idle: int = 0  # eligible rounds since it was last chosen
+    clock: ProbeClock  # the session's own, or the coordinator's shared one (a seeded draft)
 
 
 @dataclass
@@ -270,12 +284,13 @@ class SessionPolicy:
     config: PolicyConfig = field(default_factory=PolicyConfig)
     costs: CostModel | None = None
     draft_prior: AcceptanceEstimate | None = None  # the draft's α over all sessions (shared)
+    probe_clock: ProbeClock | None = None  # the draft's probe clock over all sessions (shared)
 
     def __post_init__(self) -> None:
         c = self.config
         if self.costs is None:
             self.costs = CostModel(c.timing_decay, c.default_cost_ratio)
-        self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), c.probe_interval)
+        self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), ProbeClock(c.probe_interval))
                         for s in SOURCES}
         self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
 
@@ -315,6 +330,8 @@ class SessionPolicy:
         estimate = self.sources[source].acceptance
         estimate.successes, estimate.trials = alpha * weight, float(weight)
         estimate.rounds = max(estimate.rounds, self.config.warmup_rounds)
+        if source == Proposer.DRAFT and self.probe_clock is not None:  # judged with the others now
+            self.sources[source].clock = self.probe_clock
 
     def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
                draft_available: bool = True, mode: Proposer = Proposer.AUTO,
@@ -392,9 +409,9 @@ class SessionPolicy:
             if self.sources[source].acceptance.rounds < c.warmup_rounds:
                 return Choice(source, min(fixed_gamma or c.default_gamma, cap), "warmup")
         for source, cap in caps.items():
-            state = self.sources[source]
-            if state.idle >= state.probe_interval:
-                state.probe_interval = min(2 * state.probe_interval, c.max_probe_interval)
+            clock = self.sources[source].clock
+            if clock.idle >= clock.interval:
+                clock.interval = min(2 * clock.interval, c.max_probe_interval)
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None
 
@@ -420,12 +437,12 @@ class SessionPolicy:
             return Choice(Proposer.NONE, 0, "best")
         if top.speedup > 1.0 + self.config.min_gain:  # it wins (not merely forced by a fixed γ):
             # once it stops, it is probed soon (its α may have dipped on a few rounds)
-            self.sources[top.source].probe_interval = self.config.lapsed_probe_interval
+            self.sources[top.source].clock.interval = self.config.lapsed_probe_interval
         return top
 
     def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
         """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""
         for source in caps:
-            state = self.sources[source]
-            state.idle = 0 if source == choice.source else state.idle + 1
+            clock = self.sources[source].clock
+            clock.idle = 0 if source == choice.source else clock.idle + 1
         return choice

@@ -26,7 +26,7 @@ from typing import Sequence
 from specdec.types import Proposer
 
 from coordinator.ngram import NgramProposer
-from coordinator.policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, SessionPolicy
+from coordinator.policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, ProbeClock, SessionPolicy
 
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
 PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
@@ -168,13 +168,16 @@ class Speculation:
         # α per source over all sessions: a new session starts from it instead of warming up
         self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
         self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's, per match length
+        # when the draft is probed next, over the sessions that start from its coordinator-wide α
+        self.draft_probe_clock = ProbeClock(self.config.probe_interval)
 
     def policy(self, session_id: str) -> SessionPolicy:
         """The session's policy (a fresh one for a session not seen, or forgotten; it starts from
         the coordinator-wide α of the sources that have one)."""
         policy = self._policies.get(session_id)
         if policy is None:
-            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs, self.priors[Proposer.DRAFT])
+            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs, self.priors[Proposer.DRAFT],
+                                                                self.draft_probe_clock)
             for source, prior in self.priors.items():
                 if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                     policy.seed(source, prior.alpha, PRIOR_WEIGHT)

@@ -118,3 +118,30 @@ def test_lookup_alpha_per_match_length_reaches_new_sessions():
                       verified_tokens=plan.gamma + 1)
     assert spec.order_priors[3].alpha == 1.0
     assert spec.start("later", "ngram", None).policy.ngram_alpha(3) == 1.0
+
+
+def test_sessions_share_the_probes_of_a_draft_that_does_not_pay():
+    """Sessions that start from the coordinator-wide draft α probe the draft on one clock: 20
+    sessions of 30 plain rounds probe a useless draft at doubling intervals over all their
+    rounds (16, 32, 64, ...), not once each at their own 16th round. A session's own rounds
+    still warm up a source without a prior."""
+    spec = speculation(cost_ratio=0.5)
+    first = spec.start("first", "draft", None)
+    for _ in range(2):  # the warm-up of a draft that is always wrong
+        plan = first.plan([1, 2, 3], 8, True)
+        assert plan.reason == "warmup"
+        first.observe(plan.source, plan.gamma, 0, propose_seconds=None, verify_seconds=None,
+                      verified_tokens=plan.gamma + 1)
+    probes = []
+    for n in range(20):
+        spec_n = spec.start(f"s{n}", "draft", None)
+        for i in range(30):
+            plan = spec_n.plan([1, 2, 3], 8, True)
+            spec_n.observe(plan.source, plan.gamma, 0, propose_seconds=None, verify_seconds=None,
+                           verified_tokens=plan.gamma + 1)
+            if plan.source == "draft":
+                assert plan.reason == "probe"
+                probes.append(30 * n + i)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) == 5 and probes[0] == 16  # 16, then +33, +65, +129, +257 (idle counts from 0)
+    assert gaps == sorted(gaps) and gaps[-1] > 250
