@@ -99,7 +99,10 @@ class Deployment:
         self.procs.append(subprocess.Popen(
             serve + ["coordinator", "--draft", f"127.0.0.1:{ports['draft']}", "--target",
                      f"127.0.0.1:{ports['target']}", "--port", str(ports["coordinator"]),
-                     "--session-store", f"{redis_url}/0", "--max-prompt-tokens", str(args.max_prompt_tokens)],
+                     "--session-store", f"{redis_url}/0", "--max-prompt-tokens", str(args.max_prompt_tokens),
+                     # a draft prefilling thousands of tokens must not be cut off (its round would
+                     # go target-only and the draft hold no history to keep)
+                     "--draft-timeout-s", "3600"],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL))
         self.address = f"127.0.0.1:{ports['coordinator']}"
         wait_healthy(self.address, 300, self.procs)
@@ -231,7 +234,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES))
     parser.add_argument("--threads", type=int, default=0, help="threads of each service (0 = their default)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="(a): prompt lengths, comma-separated")
-    parser.add_argument("--sessions", type=int, default=16, help="(b): sessions sharing the prefix")
+    parser.add_argument("--sessions", type=int, default=16, help="(b): sessions sharing the prefix (0 = skip (b))")
     parser.add_argument("--shared-prefix", type=int, default=1500, help="(b): tokens of the shared prefix")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="--kv-chunk-tokens of both services")
     parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, help="(b): the services' prefix cache")
@@ -262,22 +265,26 @@ def main() -> int:
                   "dtype": args.dtype, "threads": args.threads, "chunk_tokens": args.chunk_tokens,
                   "moved": moved_sessions(draft, target, args, url, vocab)}
         result["stored"] = stored_bytes(url, {"draft": draft, "target": target}, args, args.chunk_tokens)
-        result["shared_prefix"] = shared_prefix(draft, target, args, url, vocab)
+        if args.sessions > 0:
+            result["shared_prefix"] = shared_prefix(draft, target, args, url, vocab)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["tokens  ttft store (s)  ttft re-prefill (s)  speed-up  target restored"]
     for r in result["moved"]:
         lines.append(f"{r['tokens']:>6}  {r['store_ttft_s']:>14.2f}  {r['prefill_ttft_s']:>19.2f}  "
                      f"{r['speedup']:>7.1f}x  {r['store_target_restored']:>15}")
-    s = result["shared_prefix"]
-    lines.append(f"{s['sessions']} sessions sharing {s['prefix_tokens']} tokens: total ttft "
-                 f"{s['prefix_cache_ttft_total_s']:.1f} s with the prefix cache (target restored "
-                 f"{s['prefix_cache_target_restored']} tokens), {s['no_cache_ttft_total_s']:.1f} s without "
-                 f"({s['speedup']:.1f}x)")
+    s = result.get("shared_prefix")
+    if s:
+        lines.append(f"{s['sessions']} sessions sharing {s['prefix_tokens']} tokens: total ttft "
+                     f"{s['prefix_cache_ttft_total_s']:.1f} s with the prefix cache (target restored "
+                     f"{s['prefix_cache_target_restored']} tokens), {s['no_cache_ttft_total_s']:.1f} s "
+                     f"without ({s['speedup']:.1f}x)")
     for role, st in result["stored"].items():
         if st["bytes_per_token"]:
             lines.append(f"{role}: {st['chunks']} chunks, {st['bytes_per_token']:.0f} bytes/token stored, "
                          f"theory {st['theoretical_bytes_per_token']} ({st['ratio']:.4f}x)")
+    for r in result["moved"]:
+        lines.append(f"{r['tokens']} tokens: draft restored {r['store_draft_restored']} with the store")
     print("\n".join(lines))
     (out / "kv_restore.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "kv_restore.png")

@@ -48,6 +48,15 @@ def flush(runner) -> None:
     assert runner.kv_tier.writer.flush(10)
 
 
+def written_elsewhere(model: str, url: str, tokens: list[int]):
+    """A replica that ran `tokens` and wrote their chunks to the store at `url`: (its runner, its
+    logits) and a second, fresh replica of the same model on the same store."""
+    here, there = make_runner(model, url), make_runner(model, url)
+    logits, _ = run(here, "s", tokens)
+    flush(here)
+    return here, logits, there
+
+
 @pytest.fixture
 def namespace_db(redis_url):
     """The shared redis-server, emptied of chunks first (another test's chunks would be hits)."""
@@ -99,11 +108,8 @@ def test_drafts_of_a_call_made_ahead_are_never_kept(models):
 
 @pytest.mark.service
 def test_a_session_moved_to_another_replica_restores_its_chunks(models, namespace_db):
-    target = models["llama"]["target"]
-    here, there = make_runner(target, namespace_db), make_runner(target, namespace_db)
     tokens = history(130)
-    before, _ = run(here, "s", tokens)
-    flush(here)
+    _, before, there = written_elsewhere(models["llama"]["target"], namespace_db, tokens)
     after, ran = run(there, "s", tokens)
     assert ran == 130 - 128
     assert torch.equal(before, after)
@@ -113,11 +119,8 @@ def test_a_session_moved_to_another_replica_restores_its_chunks(models, namespac
 
 @pytest.mark.service
 def test_a_corrupt_chunk_ends_the_restore_there(models, namespace_db):
-    target = models["llama"]["target"]
-    here, there = make_runner(target, namespace_db), make_runner(target, namespace_db)
     tokens = history(70)
-    expected, _ = run(here, "s", tokens)
-    flush(here)
+    here, expected, there = written_elsewhere(models["llama"]["target"], namespace_db, tokens)
     client = redis.Redis.from_url(namespace_db)
     third = "specdec:kv:" + here.kv_tier.keys(tokens)[2].hex()
     value = bytearray(client.get(third))
