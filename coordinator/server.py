@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import ssl
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import grpc
+import uvicorn
 
 from specdec.config import CoordinatorConfig
 from specdec.errors import SpecdecError
@@ -23,6 +28,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from coordinator.clients import DraftClient, ServiceClient, TargetClient
 from coordinator.discovery import DiscoveryError, from_config as discovery_from_config
 from coordinator.engine import Engine
+from coordinator.openai_api import create_app
 from coordinator.routing import ReplicaPool, Routes
 from coordinator.servicer import CoordinatorServicer
 from coordinator.stores import open_store
@@ -114,14 +120,78 @@ def _tls_failure(client: ServiceClient, detail: str) -> tuple[bool, str]:
     return False, ""
 
 
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn in the coordinator's event loop: the coordinator, not uvicorn, handles signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpApiServer:
+    """The OpenAI-compatible HTTP API (coordinator/openai_api.py), served by uvicorn beside the
+    gRPC server, in the same event loop, with the gRPC port's TLS certificates."""
+
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task, port: int):
+        self.server = server
+        self.task = task
+        self.port = port  # the bound port (what -1 picked)
+
+    @classmethod
+    async def start(cls, engine: Engine, config: CoordinatorConfig, api_key: str | None) -> "HttpApiServer":
+        if not -1 <= config.http_port <= 65535:
+            raise StartupError(f"--http-port must be a port number, 0 (off) or -1 (any free port), "
+                               f"got {config.http_port}")
+        if config.http_max_body_bytes < 1:
+            raise StartupError(f"--http-max-body-bytes must be >= 1, got {config.http_max_body_bytes}")
+        tls = bool(config.tls_cert_file and config.tls_key_file)  # as the gRPC port (Security checked it)
+        mutual = tls and bool(config.tls_client_ca_file)
+        settings = uvicorn.Config(
+            create_app(engine, api_key, config.http_max_body_bytes), lifespan="off", log_level="warning",
+            access_log=False, ssl_certfile=config.tls_cert_file if tls else None,
+            ssl_keyfile=config.tls_key_file if tls else None,
+            ssl_ca_certs=config.tls_client_ca_file if mutual else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE)
+        try:
+            settings.load()  # the certificates are read here
+            sock = socket.create_server((config.host, max(config.http_port, 0)),
+                                        family=socket.getaddrinfo(config.host, None)[0][0])
+        except (OSError, ssl.SSLError) as exc:
+            raise StartupError(f"cannot serve the HTTP API on {config.host}:{config.http_port} "
+                               f"(--http-port): {exc}") from exc
+        server = _EmbeddedUvicorn(settings)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if task.done():
+            sock.close()
+            raise StartupError(f"the HTTP API did not start on {config.host}:{config.http_port}: "
+                               f"{task.exception()!r}")
+        return cls(server, task, sock.getsockname()[1])
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop taking requests; streams still running after `grace` seconds (None: at once) are cut."""
+        self.server.config.timeout_graceful_shutdown = 0 if grace is None else max(grace, 0.0)
+        self.server.should_exit = True
+        await self.task
+
+
 @dataclass
 class RunningCoordinator:
     server: grpc.aio.Server
     port: int
     engine: Engine
     metrics_server: MetricsServer | None = None
+    http: HttpApiServer | None = None  # the OpenAI-compatible API (--http-port), None when off
+
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port (None: off)."""
+        return self.http.port if self.http is not None else None
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        if self.http is not None:
+            await self.http.stop(grace)
         await self.server.stop(grace)
         if self.metrics_server is not None:
             self.metrics_server.stop()
@@ -218,8 +288,19 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         if metrics_server is not None:
             metrics_server.stop()
         raise
+    http = None
+    if config.http_port:
+        try:
+            http = await HttpApiServer.start(engine, config, security.api_key)
+        except BaseException:
+            await server.stop(None)
+            if metrics_server is not None:
+                metrics_server.stop()
+            await asyncio.gather(store.close(), routes.close())
+            raise
+        log.info("OpenAI-compatible HTTP API on %s:%d", config.host, http.port)
     log.info("coordinator on %s:%d (%s; %s; %s%s)", config.host, port, routes.discovery.describe(),
              routes.describe(), security.describe(),
              "" if engine.draft_model.beside_verification else "; the tiers share CPU cores: the draft "
              "never works beside a verification")
-    return RunningCoordinator(server, port, engine, metrics_server)
+    return RunningCoordinator(server, port, engine, metrics_server, http)

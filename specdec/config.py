@@ -190,6 +190,11 @@ class CoordinatorConfig(ServerTlsConfig):
     api_key_file: str = opt("", "file holding the API key clients must send as metadata "
                             "'authorization: Bearer <key>' (default: no key; health and reflection "
                             "stay open)")
+    http_port: int = opt(0, "OpenAI-compatible HTTP API port: /v1/completions, /v1/chat/completions, "
+                         "/v1/models, /health, on --host with the TLS and API key of the gRPC port "
+                         "(0 = off; -1 = any free port)")
+    http_max_body_bytes: int = opt(1 << 20, "largest HTTP request body the OpenAI-compatible API accepts "
+                                   "(larger ones get 413)")
 
 
 def _flag(name: str) -> str:

@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP API of the coordinator: JSON in, engine call, OpenAI's shapes out.
+
+/v1/completions and /v1/chat/completions call Engine.generate as the gRPC servicer does, so
+a request generates exactly what the same gRPC request would. Errors, domain or HTTP, become
+OpenAI's error body in one place (`error_reply`). Streaming is server-sent events; the first
+chunk is awaited before the response starts, so a refused request still gets its own status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import StarletteHTTPException
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from specdec import errors
+from specdec.rpc.security import bearer_token
+from specdec.types import Proposer, SamplingParams
+
+from coordinator.engine import Engine
+from coordinator.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                         SpecdecFields, error_body, new_id, now, specdec_object, usage)
+from coordinator.request import GenerationRequest
+from coordinator.rounds import Chunk
+from coordinator.stats import GenerationStats
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=SpecdecFields)
+
+
+class ApiError(Exception):
+    """A refusal of the HTTP layer itself (body, model, API key): status and OpenAI's fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        self.status, self.type, self.param, self.code = status, type, param, code
+        super().__init__(message)
+
+
+# domain errors -> (HTTP status, OpenAI error type, code); the first match wins (subclasses first)
+_DOMAIN: list[tuple[type[errors.SpecdecError], int, str, str | None]] = [
+    (errors.InvalidArgument, 400, "invalid_request_error", None),
+    (errors.NotFound, 404, "invalid_request_error", "not_found"),
+    (errors.FailedPrecondition, 409, "invalid_request_error", "conflict"),
+    (errors.ResourceExhausted, 429, "rate_limit_error", "resource_exhausted"),
+    (errors.Unavailable, 503, "service_unavailable", "unavailable"),
+]
+
+
+def error_reply(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, OpenAI error body, headers) for any failure: the one mapping of the HTTP API."""
+    if isinstance(exc, ApiError):
+        return exc.status, error_body(str(exc), exc.type, exc.param, exc.code), {}
+    if isinstance(exc, errors.SpecdecError):
+        for kind, status, type_, code in _DOMAIN:
+            if isinstance(exc, kind):
+                headers = {}
+                if isinstance(exc, errors.ResourceExhausted) and exc.retry_after_s is not None:
+                    # the gRPC trailer's value (specdec.rpc.status), and HTTP's whole seconds
+                    headers = {"retry-after-ms": str(int(exc.retry_after_s * 1000)),
+                               "retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
+                return status, error_body(str(exc), type_, None, code), headers
+        return 500, error_body(f"a service failed: {exc}", "internal_error", None, "internal"), {}
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code, error_body(str(exc.detail), "invalid_request_error", None, None), {}
+    log.exception("OpenAI API: unexpected error", exc_info=exc)
+    return 500, error_body("internal error in the coordinator (a bug; see its log)", "internal_error",
+                           None, "internal"), {}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = error_reply(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response driven by plain asyncio tasks. A client that goes away
+    cancels the events' generator once, as gRPC cancels a call, so the engine's cleanup (the
+    session's lease and caches released) runs to its end; StreamingResponse on an ASGI 2.3
+    server (uvicorn) cancels through an anyio cancel scope, which cancels every await of that
+    cleanup again and leaves the session busy."""
+
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+            for outcome in await asyncio.gather(streaming, watching, return_exceptions=True):
+                if isinstance(outcome, Exception):  # the client went away while a chunk was sent
+                    log.debug("OpenAI API: stream ended: %r", outcome)
+
+
+def sse(data: Any) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class Completions:
+    """The shapes of /v1/completions: its response, and its stream's chunks."""
+
+    object = "text_completion"
+    id_prefix = "cmpl"
+
+    def response_choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    def deltas(self, text: str, finish: str | None, first: bool) -> list[dict[str, Any]]:
+        """The choices of the chunks for one engine chunk (none when it carries nothing)."""
+        if not text and finish is None:
+            return []
+        return [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+
+
+class ChatCompletions(Completions):
+    object = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def response_choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": None}
+
+    def deltas(self, text: str, finish: str | None, first: bool) -> list[dict[str, Any]]:
+        out = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                "logprobs": None}] if first else []
+        if text or finish is not None:
+            out.append({"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish,
+                        "logprobs": None})
+        return out
+
+
+class OpenAIApi:
+    """The handlers: each reads its body, builds a GenerationRequest, and shapes what the engine
+    yields as OpenAI does."""
+
+    def __init__(self, engine: Engine, api_key: str | None, max_body_bytes: int):
+        self.engine = engine
+        self.model_id = engine.target_info.model_id
+        self.api_key = api_key.encode("ascii") if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.created = now()
+
+    # ---- the request ---------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        token = bearer_token(request.headers.items())
+        how = "send the header 'Authorization: Bearer <key>' (the openai client's api_key)"
+        if token is None:
+            raise ApiError(401, f"missing API key: {how}", code="invalid_api_key")
+        if not hmac.compare_digest(token.encode("utf-8", "replace"), self.api_key):
+            raise ApiError(401, f"invalid API key: {how} with the key of the coordinator's --api-key-file",
+                           code="invalid_api_key")
+
+    async def body(self, request: Request, kind: type[M]) -> M:
+        """The request body as `kind`, checked: size, JSON, fields, model, supported options."""
+        limit = self.max_body_bytes
+        too_large = ApiError(413, f"the request body is over {limit} bytes (--http-max-body-bytes)",
+                             code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise too_large
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            parsed = kind.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ApiError(400, f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None,
+                           code="invalid_value") from None
+        if parsed.model_extra:
+            log.info("OpenAI API: ignored unknown fields %s", ", ".join(sorted(parsed.model_extra)))
+        if parsed.model != self.model_id:
+            raise ApiError(404, f"model {parsed.model!r} is not served here; this coordinator serves "
+                           f"{self.model_id!r} (GET /v1/models)", param="model", code="model_not_found")
+        unsupported = parsed.unsupported()
+        if unsupported:
+            raise ApiError(400, f"{unsupported} is not supported yet: leave it unset "
+                           f"(n and best_of may be 1)", param=unsupported, code="unsupported_parameter")
+        return parsed
+
+    @staticmethod
+    def generation(body: SpecdecFields, max_tokens: int | None, **inputs: Any) -> GenerationRequest:
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        return GenerationRequest(
+            session_id=body.session_id,
+            params=SamplingParams(
+                temperature=SamplingParams.temperature if body.temperature is None else body.temperature,
+                top_k=body.top_k or 0, top_p=SamplingParams.top_p if body.top_p is None else body.top_p),
+            seed=body.seed, max_new_tokens=max_tokens, num_speculative_tokens=body.num_speculative_tokens,
+            stop=stop, ignore_eos=body.ignore_eos, proposer=Proposer(body.proposer) if body.proposer else None,
+            cache_salt=body.cache_salt, **inputs)
+
+    @staticmethod
+    def prompt_input(prompt: Any) -> dict[str, Any]:
+        """A completion's prompt as the engine's input: text or token ids, one prompt only."""
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        if prompt and not isinstance(prompt[0], int):  # a batch of prompts
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt holds {len(prompt)} prompts; send one per request",
+                               param="prompt", code="unsupported_parameter")
+            return OpenAIApi.prompt_input(prompt[0])
+        return {"token_ids": tuple(prompt)}
+
+    @staticmethod
+    def messages_input(messages: list[ChatMessage]) -> dict[str, Any]:
+        out = []
+        for i, message in enumerate(messages):
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"messages.{i}.content: only parts of type 'text' (with a "
+                                       f"string 'text') are supported, got type {part.get('type')!r}",
+                                       param="messages", code="unsupported_parameter")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            out.append((message.role, content or ""))
+        return {"messages": tuple(out)}
+
+    # ---- the response --------------------------------------------------------------------------
+
+    async def run(self, request: GenerationRequest, shape: Completions, stream: bool,
+                  include_usage: bool) -> Response:
+        chunks = self.engine.generate(request)
+        try:
+            first = await anext(chunks)  # a refused request fails here, before any byte is sent
+        except BaseException:
+            await chunks.aclose()
+            raise
+        if stream:
+            return EventStream(self.events(chunks, first, shape, include_usage))
+        try:
+            text, last = first.text, first
+            async for chunk in chunks:  # to the end: the engine finishes the request after its last chunk
+                text += chunk.text
+                last = chunk
+        finally:
+            await chunks.aclose()
+        stats = last.stats or GenerationStats()
+        return JSONResponse({
+            "id": new_id(shape.id_prefix), "object": shape.object, "created": now(), "model": self.model_id,
+            "choices": [shape.response_choice(text, FINISH_REASONS.get(last.finish_reason))],
+            "usage": usage(stats), "specdec": specdec_object(last.session_id, stats)})
+
+    async def events(self, chunks: AsyncIterator[Chunk], first: Chunk, shape: Completions,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """The SSE stream. A client that goes away cancels this generator (EventStream), and the
+        engine's generator with it: the generation stops and its committed tokens stay."""
+        head = {"id": new_id(shape.id_prefix), "object": shape.object + ("" if shape.object.startswith("text")
+                                                                          else ".chunk"),
+                "created": now(), "model": self.model_id}
+        try:
+            chunk, opened, last = first, False, first
+            while chunk is not None:
+                last = chunk
+                finish = FINISH_REASONS.get(chunk.finish_reason)
+                for choice in shape.deltas(chunk.text, finish, not opened):
+                    yield sse({**head, "choices": [choice],
+                               "specdec": specdec_object(chunk.session_id, chunk.stats)})
+                opened = True
+                chunk = await anext(chunks, None)  # to the end, as in run()
+            if include_usage:
+                stats = last.stats or GenerationStats()
+                yield sse({**head, "choices": [], "usage": usage(stats),
+                           "specdec": specdec_object(last.session_id, stats)})
+        except Exception as exc:  # the response has begun: the error is an event
+            yield sse(error_reply(exc)[1])
+        finally:
+            await chunks.aclose()
+        yield "data: [DONE]\n\n"
+
+    # ---- the endpoints -------------------------------------------------------------------------
+
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.authorize(request)
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
+                                            "owned_by": "specdec",
+                                            "max_model_len": self.engine.context_length}]}
+
+    async def completions(self, request: Request) -> Response:
+        self.authorize(request)
+        body = await self.body(request, CompletionRequest)
+        generation = self.generation(body, body.max_tokens, **self.prompt_input(body.prompt))
+        return await self.run(generation, Completions(), body.stream, _include_usage(body))
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.authorize(request)
+        body = await self.body(request, ChatCompletionRequest)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        generation = self.generation(body, max_tokens, **self.messages_input(body.messages))
+        return await self.run(generation, ChatCompletions(), body.stream, _include_usage(body))
+
+
+def _include_usage(body: SpecdecFields) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def create_app(engine: Engine, api_key: str | None, max_body_bytes: int) -> FastAPI:
+    """The FastAPI app of the OpenAI-compatible API over `engine`."""
+    api = OpenAIApi(engine, api_key, max_body_bytes)
+    app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    routes: list[tuple[str, Callable, str]] = [
+        ("/health", api.health, "GET"), ("/v1/models", api.models, "GET"),
+        ("/v1/completions", api.completions, "POST"), ("/v1/chat/completions", api.chat_completions, "POST")]
+    for path, handler, method in routes:
+        app.add_api_route(path, handler, methods=[method])
+    # specific kinds: handled inside the app; Exception: the last resort (500, logged)
+    for kind in (ApiError, errors.SpecdecError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, lambda request, exc: error_response(exc))
+    return app

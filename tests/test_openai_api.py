@@ -1,0 +1,218 @@
+"""The OpenAI-compatible HTTP API (coordinator/openai_api.py) through the official openai client
+and raw HTTP, against the real services: it generates what the gRPC API generates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+
+import openai
+import pytest
+
+try:  # the HTTP client the openai package brings: httpx, or its renamed fork in newer releases
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+from tests.cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "def fibonacci(n):"
+GREEDY = {"temperature": 0}
+EXTRA = {"ignore_eos": True, "num_speculative_tokens": 2, "proposer": "draft"}
+
+
+@pytest.fixture(scope="module")
+def cluster(models):
+    with Cluster(models["llama"]["draft"], models["llama"]["target"], coordinator={"http_port": -1}) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster):
+    return f"http://127.0.0.1:{cluster.coordinator.http_port}"
+
+
+@pytest.fixture(scope="module")
+def model_id(cluster):
+    return cluster.coordinator.engine.target_info.model_id
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def grpc_greedy(cluster, max_new_tokens: int, **input_fields):
+    return cluster.complete(max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0,
+                            num_speculative_tokens=2, **input_fields)
+
+
+def test_health_and_models(base_url, client, cluster, model_id):
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    listing = httpx.get(f"{base_url}/v1/models").json()
+    assert listing["object"] == "list"
+    [entry] = listing["data"]
+    assert entry["id"] == model_id and entry["object"] == "model" and entry["owned_by"] == "specdec"
+    assert entry["max_model_len"] == cluster.coordinator.engine.context_length
+    assert isinstance(entry["created"], int)
+    assert [m.id for m in client.models.list()] == [model_id]
+
+
+def test_completion_greedy_matches_grpc(cluster, client, model_id):
+    expected = grpc_greedy(cluster, 12, prompt=PROMPT)
+    reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, extra_body=EXTRA, **GREEDY)
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    [choice] = reply.choices
+    assert choice.text == expected.text and choice.finish_reason == "length" and choice.index == 0
+    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens == expected.stats.prompt_tokens
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+    specdec = reply.model_extra["specdec"]
+    assert specdec["session_id"] and specdec["rounds"] == expected.stats.rounds
+    # token ids as the prompt, and a one-element batch
+    ids = list(cluster.coordinator.engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+    by_ids = grpc_greedy(cluster, 6, token_ids=ids)
+    assert client.completions.create(model=model_id, prompt=ids, max_tokens=6, extra_body=EXTRA,
+                                     **GREEDY).choices[0].text == by_ids.text
+    assert client.completions.create(model=model_id, prompt=[PROMPT], max_tokens=12, extra_body=EXTRA,
+                                     **GREEDY).choices[0].text == expected.text
+    # streamed: the deltas add up to the same text
+    chunks = list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, stream=True,
+                                            extra_body=EXTRA, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "text_completion" for c in chunks)
+    assert {c.model_extra["specdec"]["session_id"] for c in chunks} and all(
+        c.model_extra["specdec"]["session_id"] for c in chunks)
+
+
+def test_chat_greedy_matches_grpc(cluster, client, base_url, model_id):
+    messages = [("system", "Be brief."), ("user", "Explain quicksort.")]
+    expected = grpc_greedy(cluster, 10, messages=messages)
+    as_dicts = [{"role": r, "content": c} for r, c in messages]
+    reply = client.chat.completions.create(model=model_id, messages=as_dicts, max_completion_tokens=10,
+                                           extra_body=EXTRA, **GREEDY)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text and reply.choices[0].finish_reason == "length"
+    # content as text parts, max_tokens, the async client, streamed
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             as_dicts[1]]
+
+    async def streamed() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as aclient:
+            whole = await aclient.chat.completions.create(model=model_id, messages=parts, max_tokens=10,
+                                                          extra_body=EXTRA, **GREEDY)
+            assert whole.choices[0].message.content == expected.text
+            stream = await aclient.chat.completions.create(model=model_id, messages=parts, max_tokens=10,
+                                                           stream=True, extra_body=EXTRA, **GREEDY)
+            return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(streamed())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_usage_and_sse_framing(client, base_url, model_id):
+    chunks = list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=9, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=EXTRA, **GREEDY))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert chunks[-1].model_extra["specdec"]["rounds"] >= 1
+    body = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}, **GREEDY, **EXTRA}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(event.startswith("data: ") and "\n" not in event for event in events)
+    payloads = [json.loads(event[len("data: "):]) for event in events[:-1]]
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 5
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_errors(client, base_url, model_id):
+    url = f"{base_url}/v1/completions"
+    base = {"model": model_id, "prompt": PROMPT, "max_tokens": 2}
+    error = _error(httpx.post(url, json={**base, "model": "no-such-model"}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert _error(httpx.post(url, json={**base, "n": 2}), 400)["param"] == "n"
+    assert _error(httpx.post(url, json={**base, "logprobs": 2}), 400)["param"] == "logprobs"
+    assert "temperature" in _error(httpx.post(url, json={**base, "temperature": -1}), 400)["message"]
+    assert _error(httpx.post(url, content=b'{"model": ', headers={"content-type": "application/json"}), 400)
+    assert _error(httpx.post(url, json={**base, "max_tokens": "many"}), 400)["param"] == "max_tokens"
+    assert _error(httpx.post(url, json={**base, "prompt": ["a", "b"]}), 400)["param"] == "prompt"
+    assert _error(httpx.post(url, json={k: v for k, v in base.items() if k != "prompt"}), 400)["param"] == "prompt"
+    assert _error(httpx.post(url, content=b"x" * (2 << 20)), 413)
+    assert _error(httpx.post(f"{base_url}/v1/chat/completions", json={
+        "model": model_id, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400)
+    assert _error(httpx.post(url, json={**base, "session_id": "no-such-session"}), 404)["code"] == "not_found"
+    assert _error(httpx.post(url, json={**base, "session_id": "no-such-session", "stream": True}), 404)
+    assert _error(httpx.get(f"{base_url}/v1/nothing-here"), 404)
+    # an unknown field is ignored; the openai client raises the right classes
+    assert httpx.post(url, json={**base, "frobnicate": 1}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, n=2)
+
+
+def test_api_key_over_tls(models, tmp_path):
+    from tests.test_security import _ca, _leaf
+
+    ca = _ca(tmp_path, "ca")
+    cert = _leaf(tmp_path, "coordinator", ca, "IP:127.0.0.1,DNS:localhost")
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-key\n")
+    trust = ssl.create_default_context(cafile=ca["pem"])
+    with Cluster(models["llama"]["draft"], models["llama"]["target"],
+                 coordinator={"http_port": -1, "api_key_file": str(key_file), "tls_cert_file": cert["pem"],
+                              "tls_key_file": cert["key"]}) as cluster, \
+            httpx.Client(verify=trust, timeout=60) as http:
+        base_url = f"https://127.0.0.1:{cluster.coordinator.http_port}"
+        assert http.get(f"{base_url}/health").status_code == 200  # open without a key
+        assert _error(http.get(f"{base_url}/v1/models"), 401)["code"] == "invalid_api_key"
+        assert _error(http.get(f"{base_url}/v1/models", headers={"authorization": "Bearer nope"}), 401)
+        wrong = openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0, http_client=http)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{base_url}/v1", api_key="s3cret-key", max_retries=0, http_client=http)
+        model_id = cluster.coordinator.engine.target_info.model_id
+        reply = right.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, extra_body=EXTRA)
+        assert reply.usage.completion_tokens == 2
+
+
+def test_disconnect_mid_stream_frees_the_session(client, base_url, model_id):
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 2000, "stream": True, **GREEDY, **EXTRA}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                session_id = json.loads(line[len("data: "):])["specdec"]["session_id"]
+                break
+    started = time.monotonic()
+    while True:  # the cancelled request lets go of its session within a round or two
+        try:
+            reply = client.completions.create(model=model_id, prompt=" more", max_tokens=2,
+                                              extra_body={**EXTRA, "session_id": session_id}, **GREEDY)
+            break
+        except openai.ConflictError:
+            assert time.monotonic() - started < 5, "the disconnected stream still holds its session"
+            time.sleep(0.1)
+    assert reply.model_extra["specdec"]["session_id"] == session_id
+    assert reply.usage.completion_tokens == 2
