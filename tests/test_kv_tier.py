@@ -268,3 +268,35 @@ def test_the_chunk_counters_are_metrics(models, namespace_db):
     written = next(float(line.split()[1]) for line in text.splitlines()
                    if line.startswith("specdec_kv_store_bytes_written_total "))
     assert chunk_bytes < written <= 1.05 * chunk_bytes
+
+
+@pytest.mark.unit
+def test_engines_that_cannot_cut_chunks_say_so_at_start_up(models, tmp_path, caplog):
+    """A DynamicCache model (sliding-window layers) and the llama.cpp engine keep no chunks, and
+    their services say so when they start, rather than taking --kv-store silently."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec import tiny
+    from tests.gguf_writer import write_llama_gguf
+
+    tokenizer = tiny.byte_level_tokenizer()
+    config = tiny.model_config("qwen2", len(tokenizer), tokenizer.eos_token_id)
+    config.use_sliding_window, config.sliding_window = True, 8
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "sliding")
+    tokenizer.save_pretrained(tmp_path / "sliding")
+    with caplog.at_level("WARNING"):
+        runner = make_runner(str(tmp_path / "sliding"), "memory://", prefix_cache_bytes=1 << 20)
+    assert runner.kv_tier is None
+    assert "no prefix cache or K/V store" in caplog.text and "DynamicCache" in caplog.text
+    caplog.clear()
+    gguf = write_llama_gguf(models["llama"]["target"], tmp_path / "target.gguf")
+    with caplog.at_level("WARNING"):
+        llama = runner_from_config(TargetConfig(model=str(gguf), backend="llama.cpp", kv_store="memory://",
+                                                kv_cache_tokens=256))
+    try:
+        assert llama.kv_tier is None
+        assert "no K/V store on the llama.cpp backend" in caplog.text
+    finally:
+        llama.close()
