@@ -300,3 +300,47 @@ def test_engines_that_cannot_cut_chunks_say_so_at_start_up(models, tmp_path, cap
         assert "no K/V store on the llama.cpp backend" in caplog.text
     finally:
         llama.close()
+
+
+@pytest.mark.service
+def test_the_kv_store_has_a_health_name_of_its_own(models, own_redis, monkeypatch):
+    """A target service with --kv-store reports the store under the health name
+    specdec.v1.KVStore: SERVING while Redis answers, NOT_SERVING once it stops. The service's own
+    name stays SERVING (its calls prefill instead), so probes never take it out of rotation."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.rpc import server as rpc_server
+    from target_service import server as target_server
+
+    monkeypatch.setattr(rpc_server, "DEPENDENCY_CHECK_S", 0.1)
+    config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=0, kv_store=own_redis.url,
+                          kv_chunk_tokens=CHUNK)
+    server, port, _ = target_server.start(config)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def status(name: str) -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+
+    def settles(name: str, wanted: int) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if status(name) == wanted:
+                return True
+            time.sleep(0.05)
+        return False
+
+    serving, down = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        assert settles("specdec.v1.KVStore", serving)
+        own_redis.stop()
+        assert settles("specdec.v1.KVStore", down)
+        assert status("specdec.v1.TargetService") == serving and status("") == serving
+        own_redis.start()
+        assert settles("specdec.v1.KVStore", serving)
+    finally:
+        channel.close()
+        server.stop(None).wait(10)

@@ -12,6 +12,10 @@ from specdec.rpc.server import BackgroundServer, start_model_server
 from specdec.runtime.session_runner import SessionRunner
 from specdec.runtime.worker import ModelWorker
 
+# the health name of the KV store (--kv-store): SERVING while it answers. The service's own name
+# stays SERVING either way: without the store, calls prefill instead of restoring.
+KV_STORE_HEALTH = "specdec.v1.KVStore"
+
 
 def serve_model(config, kind: str, default_port: int, servicer, add_to_server, service_name: str,
                 runner: SessionRunner, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
@@ -37,5 +41,8 @@ def serve_model(config, kind: str, default_port: int, servicer, add_to_server, s
         if metrics_server is not None:
             metrics_server.stop()
 
+    tier = runner.kv_tier
+    dependencies = {KV_STORE_HEALTH: tier.store.ping} if tier is not None and tier.store is not None else {}
     return start_model_server(config, default_port, servicer, add_to_server, service_name, credentials,
-                              on_stop=stop, interceptors=[*interceptors, MetricsInterceptor(metrics, timed)])
+                              on_stop=stop, interceptors=[*interceptors, MetricsInterceptor(metrics, timed)],
+                              dependencies=dependencies)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +20,23 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
+
+
+DEPENDENCY_CHECK_S = 5.0  # how often a dependency's health name is refreshed
+
+
+async def _watch_dependency(health_servicer, name: str, probe: Callable[[], bool]) -> None:
+    """Keep `name` SERVING while probe() (blocking: run on a thread) says the dependency answers,
+    NOT_SERVING while it does not; the service's own names are not touched."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            up = await loop.run_in_executor(None, probe)
+        except Exception:  # noqa: BLE001 - a probe that fails says the dependency is down
+            up = False
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health_servicer.set(name, status)
+        await asyncio.sleep(DEPENDENCY_CHECK_S)
 
 
 def _add_health_and_reflection(server, health_servicer, service_names: Iterable[str]) -> None:
@@ -46,9 +63,12 @@ def _bind(server, host: str, port: int, credentials: grpc.ServerCredentials | No
 async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_names: Iterable[str],
                            host: str, port: int, max_message_bytes: int,
                            credentials: grpc.ServerCredentials | None = None,
-                           interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+                           interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                           dependencies: Mapping[str, Callable[[], bool]] | None = None,
                            ) -> tuple[grpc.aio.Server, int]:
-    """A started asyncio server; returns (server, bound port)."""
+    """A started asyncio server; returns (server, bound port). `dependencies`: health names of
+    what the service uses but can serve without (the KV store), each refreshed from its probe
+    every few seconds; the service's own names stay SERVING whatever they say."""
     # no SO_REUSEPORT: a second server on a port in use must fail, not silently share it
     server = grpc.aio.server(options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
                              interceptors=list(interceptors))
@@ -60,6 +80,17 @@ async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watchers = [asyncio.ensure_future(_watch_dependency(health_servicer, name, probe))
+                for name, probe in (dependencies or {}).items()]
+    if watchers:
+        stop = server.stop
+
+        async def stop_watching_too(grace):
+            for watcher in watchers:
+                watcher.cancel()
+            return await stop(grace)
+
+        server.stop = stop_watching_too
     return server, bound
 
 
@@ -96,14 +127,15 @@ class BackgroundServer:
 def start_model_server(config, default_port: int, servicer, add_to_server, service_name: str,
                        credentials: grpc.ServerCredentials | None = None,
                        on_stop: Callable[[], None] | None = None,
-                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[BackgroundServer, int]:
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                       dependencies: Mapping[str, Callable[[], bool]] | None = None) -> tuple[BackgroundServer, int]:
     """Serve a draft or target servicer as its ModelServiceConfig says (port 0: the default)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"{service_name}-grpc", daemon=True)
     thread.start()
     build = build_aio_server(lambda s: add_to_server(servicer, s), [service_name], config.host,
                              config.port or default_port, config.max_message_bytes, credentials,
-                             interceptors)
+                             interceptors, dependencies)
     try:
         server, port = asyncio.run_coroutine_threadsafe(build, loop).result(60)
     except BaseException:
