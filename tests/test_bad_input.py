@@ -35,6 +35,7 @@ def status_of(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
     (dict(prompt="hi", max_new_tokens=5000), INVALID, "max_new_tokens must be in [1, 4096]"),
     (dict(token_ids=[5] * 600), INVALID, "the limit is 511"),
     (dict(prompt="hi", stop=["x"] * 17), INVALID, "at most 16 stop strings"),
+    (dict(prompt="hi", cache_salt="s" * 257), INVALID, "cache_salt must be at most 256 characters"),
     (dict(session_id="no-such-session", prompt="hi"), grpc.StatusCode.NOT_FOUND, "does not exist"),
 ])
 def test_generate_rejects(llama_cluster, fields, code, words):
@@ -122,3 +123,12 @@ def test_draft_rejects_bad_gamma(llama_cluster):
         code, details = status_of(draft.Propose, draft_pb2.ProposeRequest(
             session_id="s", prefix_len=0, new_tokens=[1], num_speculative_tokens=gamma, sampling=GREEDY))
         assert code == INVALID and "num_speculative_tokens must be in [1, 16]" in details
+
+
+def test_draft_rejects_more_uncommitted_tokens_than_the_history(llama_cluster):
+    draft, _ = _services(llama_cluster)
+    for uncommitted in (-1, 3):
+        code, details = status_of(draft.Propose, draft_pb2.ProposeRequest(
+            session_id="s", prefix_len=0, new_tokens=[1, 2], num_speculative_tokens=1, sampling=GREEDY,
+            uncommitted_tokens=uncommitted))
+        assert code == INVALID and "uncommitted_tokens must be in [0, prefix_len + len(new_tokens)] = [0, 2]" in details
