@@ -119,7 +119,7 @@ def start_services(args, draft: str, target: str) -> subprocess.Popen:
         env[f"SPECDEC_{service}_MAX_BATCH_SIZE"] = str(args.max_batch_size)
         env[f"SPECDEC_{service}_BATCH_WAIT_MS"] = str(args.batch_wait_ms)
     command = [sys.executable, "-m", "specdec_cli", "up", "--port", str(args.port), "--dtype", args.dtype,
-               "--draft-model", draft, "--target-model", target]
+               "--draft-model", draft, "--target-model", target, "--http-port", "0"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
     wait_healthy(f"127.0.0.1:{args.port}", 900, [proc])
     return proc

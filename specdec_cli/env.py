@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # `specdec up`'s OpenAI-compatible HTTP API
 
 
 def env_default(command: str, flag: str, default: Any) -> Any:

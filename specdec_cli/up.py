@@ -13,7 +13,7 @@ from specdec.config import DTYPES, choices_of
 from specdec.types import Backend, Quantization
 
 from specdec_cli import generate
-from specdec_cli.env import DEFAULT_PORT, env_default
+from specdec_cli.env import DEFAULT_HTTP_PORT, DEFAULT_PORT, env_default
 
 SERVE = [sys.executable, "-m", "specdec_cli", "serve"]  # how a child runs its service
 
@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "empty = off (env SPECDEC_UP_KV_STORE)")
     up.add_argument("--port", type=int, default=env_default("up", "port", DEFAULT_PORT),
                     help="coordinator port; draft and target take the next two (env SPECDEC_UP_PORT)")
+    up.add_argument("--http-port", type=int, default=env_default("up", "http_port", DEFAULT_HTTP_PORT),
+                    help="the coordinator's OpenAI-compatible HTTP API port (/v1/completions, "
+                         "/v1/chat/completions, /v1/models); 0 = off (env SPECDEC_UP_HTTP_PORT)")
     up.add_argument("--startup-timeout", type=float, default=env_default("up", "startup_timeout", 600.0),
                     help="seconds to wait for each service (env SPECDEC_UP_STARTUP_TIMEOUT)")
     up.add_argument("--prompt", default=env_default("up", "prompt", None),
@@ -83,7 +86,7 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
         "target": SERVE + ["target", "--model", target_model, "--backend", args.backend, "--dtype", args.dtype,
                            "--device", args.device, "--port", str(port + 2), *kv_store],
         "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target",
-                                addresses["target"], "--port", str(port)],
+                                addresses["target"], "--port", str(port), "--http-port", str(args.http_port)],
     }
 
 
@@ -137,8 +140,9 @@ def run(args: argparse.Namespace) -> int:
                 wait_healthy(addresses["draft"], args.startup_timeout, procs)
                 wait_healthy(addresses["target"], args.startup_timeout, procs)
         wait_healthy(addresses["coordinator"], args.startup_timeout, procs)
+        http = f"; OpenAI-compatible API on http://127.0.0.1:{args.http_port}/v1" if args.http_port else ""
         print(f"specdec up: coordinator on {addresses['coordinator']} (draft {draft_model}, "
-              f"target {target_model}); Ctrl-C stops all", flush=True)
+              f"target {target_model}){http}; Ctrl-C stops all", flush=True)
         if args.prompt is not None:
             return generate_once(args, addresses["coordinator"])
         while all(p.poll() is None for p in procs):

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -77,7 +78,7 @@ def _free_port_block() -> int:
 def test_up_runs_all_three_and_generates(models):
     port = _free_port_block()
     result = run_cli("up", "--draft-model", models["llama"]["draft"], "--target-model",
-                     models["llama"]["target"], "--dtype", "float32", "--port", str(port),
+                     models["llama"]["target"], "--dtype", "float32", "--port", str(port), "--http-port", "0",
                      "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "coordinator ready" in result.stdout
@@ -97,15 +98,21 @@ def test_up_stops_its_services_on_sigterm(models):
     import psutil
 
     port = _free_port_block()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "up", "--draft-model",
                              models["llama"]["draft"], "--target-model", models["llama"]["target"],
-                             "--dtype", "float32", "--port", str(port)],
+                             "--dtype", "float32", "--port", str(port), "--http-port", str(http_port)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 120
         for line in proc.stdout:
             if "Ctrl-C stops all" in line or time.monotonic() > deadline:
                 break
+        assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in line
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as reply:
+            assert reply.status == 200 and json.loads(reply.read()) == {"status": "ok"}
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) == 3
         proc.send_signal(signal.SIGTERM)
