@@ -72,7 +72,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                  "target": {"kvChunks": {"store": True, "ttlSeconds": 600, "prefixCacheBytes": 0}}},
     "draft-disabled": {"draft": {"enabled": False}},
     "memory-store-no-metrics": {"redis": {"enabled": False}, "metrics": {"port": 0},
-                                "coordinator": {"replicaCount": 1}},
+                                "coordinator": {"replicaCount": 1, "http": {"port": 0}}},
 }
 
 # Custom resources are not in kubernetes-validate's schemas: each gets a minimal schema of
@@ -320,7 +320,7 @@ def test_model_tiers_have_grpc_probes_and_a_long_startup(rendered):
         assert c["readinessProbe"]["grpc"] == {"port": port, "service": service}
         assert c["startupProbe"]["grpc"] == {"port": port}
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": port, "metrics": 9090}
+        assert ports == {"grpc": port, "metrics": 9090, **({"http": 8000} if tier == "coordinator" else {})}
         assert f"--port={port}" in c["args"] and "--metrics-port=9090" in c["args"]
         assert "--host=0.0.0.0" in c["args"]
     startup = container(r.one("Deployment", "target"))["startupProbe"]
@@ -368,7 +368,8 @@ def test_network_policies_admit_only_the_coordinator(rendered):
     assert draft_rules[1] == {"from": [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": 9090, "protocol": "TCP"}]}
     open_api = r.one("NetworkPolicy", "coordinator")["spec"]["ingress"][0]
-    assert "from" not in open_api and open_api["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert "from" not in open_api and open_api["ports"] == [{"port": 50051, "protocol": "TCP"},
+                                                            {"port": 8000, "protocol": "TCP"}]
     restricted = rendered["tls-apikey"].one("NetworkPolicy", "coordinator")["spec"]["ingress"][0]
     assert restricted["from"] == [{"namespaceSelector": {"matchLabels": {"gateway": "true"}}}]
 
@@ -398,6 +399,22 @@ def test_external_redis_url_takes_the_password_from_its_secret(rendered):
         "rediss://:$(REDIS_PASSWORD)@redis.db.internal:6380/2"
     names = [e["name"] for e in c["env"]]
     assert names.index("REDIS_PASSWORD") < names.index("SPECDEC_COORDINATOR_SESSION_STORE")
+
+
+def test_the_http_api_is_on_the_coordinators_pods_and_service(rendered):
+    """coordinator.http.port: the flag, a named container port, a Service port (appProtocol
+    http); 0 leaves all three out and passes --http-port=0 (off)."""
+    r = rendered["defaults"]
+    c = container(r.one("Deployment", "coordinator"))
+    assert "--http-port=8000" in c["args"]
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    service_ports = r.one("Service", "coordinator")["spec"]["ports"]
+    assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+            "appProtocol": "http"} in service_ports
+    off = rendered["memory-store-no-metrics"]
+    c = container(off.one("Deployment", "coordinator"))
+    assert "--http-port=0" in c["args"] and all(p["name"] != "http" for p in c["ports"])
+    assert all(p["name"] != "http" for p in off.one("Service", "coordinator")["spec"]["ports"])
 
 
 def test_kv_chunks_go_to_the_charts_redis(rendered):
