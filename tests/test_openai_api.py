@@ -4,8 +4,10 @@ and raw HTTP, against the real services: it generates what the gRPC API generate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
+import threading
 import time
 
 import openai
@@ -216,3 +218,50 @@ def test_disconnect_mid_stream_frees_the_session(client, base_url, model_id):
             time.sleep(0.1)
     assert reply.model_extra["specdec"]["session_id"] == session_id
     assert reply.usage.completion_tokens == 2
+
+
+
+
+@contextlib.contextmanager
+def generating(cluster, url: str, model_id: str):
+    """A request continuing a fresh session, running (its round waits behind a held target
+    worker) while the block runs: yields (its session id, its request body)."""
+    from tests.spies import held_worker
+
+    first = httpx.post(url, json={"model": model_id, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+    session_id = first.json()["specdec"]["session_id"]
+    continued = {"model": model_id, "prompt": " more", "max_tokens": 4, "session_id": session_id}
+    replies = []
+    running = threading.Thread(target=lambda: replies.append(httpx.post(url, json=continued, timeout=60)))
+    with held_worker(cluster.target_servicer):
+        running.start()
+        deadline = time.monotonic() + 30
+        while cluster.target_servicer.worker.queue_depth < 1:  # its round waits for the model
+            assert time.monotonic() < deadline, "the running request never reached the target"
+            time.sleep(0.01)
+        yield session_id, continued
+    running.join(60)
+    assert replies and replies[0].status_code == 200  # the held request finished normally
+    assert replies[0].json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_busy_session_is_409(cluster, base_url, model_id):
+    """A second request on a session that is generating: the gRPC API's FAILED_PRECONDITION."""
+    url = f"{base_url}/v1/completions"
+    with generating(cluster, url, model_id) as (session_id, continued):
+        error = _error(httpx.post(url, json=continued, timeout=60), 409)
+        assert error["code"] == "conflict" and session_id in error["message"]  # the caller's own id
+
+
+def test_a_full_coordinator_is_429_with_retry_after(models):
+    """With --max-concurrent-generations 1 and one request generating, another is 429 with
+    Retry-After: the gRPC API's RESOURCE_EXHAUSTED and its retry-after-ms trailer."""
+    with Cluster(models["llama"]["draft"], models["llama"]["target"],
+                 coordinator={"http_port": -1, "max_concurrent_generations": 1}) as full_cluster:
+        url = f"http://127.0.0.1:{full_cluster.coordinator.http_port}/v1/completions"
+        model_id = full_cluster.coordinator.engine.target_info.model_id
+        with generating(full_cluster, url, model_id):
+            full = httpx.post(url, json={"model": model_id, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+            error = _error(full, 429)
+            assert error["type"] == "rate_limit_error" and "max-concurrent-generations" in error["message"]
+            assert full.headers["retry-after"] == "1" and full.headers["retry-after-ms"] == "1000"
