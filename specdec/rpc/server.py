@@ -80,6 +80,8 @@ async def build_aio_server(register: Callable[[grpc.aio.Server], None], service_
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for name in dependencies or {}:  # known from the start; the first probe settles it
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.UNKNOWN)
     watchers = [asyncio.ensure_future(_watch_dependency(health_servicer, name, probe))
                 for name, probe in (dependencies or {}).items()]
     if watchers:
