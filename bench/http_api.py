@@ -23,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.processes import free_port  # noqa: E402
+from bench.processes import free_port, model_pair  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
@@ -123,20 +122,7 @@ def main() -> int:
     args = parser.parse_args()
     import openai
 
-    if args.tiny:
-        from specdec.tiny import build_pair
-
-        draft, target = (str(p) for p in build_pair(Path(tempfile.mkdtemp(prefix="specdec-http-")), "llama"))
-    elif args.draft_model and args.target_model:
-        draft, target = args.draft_model, args.target_model
-    else:
-        from specdec.models import FetchError, default_pair
-
-        try:
-            pair = default_pair()
-        except FetchError as exc:
-            raise SystemExit(f"bench/http_api.py: {exc} (or --tiny)")
-        draft, target = str(pair["draft"]), str(pair["target"])
+    draft, target = model_pair(args, "bench/http_api.py")
     port, http_port = free_port(), free_port()
     for offset in (1, 2):
         if port + offset == http_port:

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.kv_memory import DTYPE_BYTES, kv_geometry, theoretical_bytes_per_token  # noqa: E402
-from bench.processes import free_port  # noqa: E402
+from bench.processes import free_port, model_pair  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
@@ -242,21 +242,7 @@ def main() -> int:
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.max_prompt_tokens = max(args.lengths + [args.shared_prefix + OWN_TOKENS]) + 16
-    if args.tiny:
-        from specdec.tiny import build_pair
-
-        draft, target = (str(p) for p in build_pair(Path(tempfile.mkdtemp(prefix="specdec-kv-")), "llama",
-                                                    context=max(args.lengths) + 256, layers=4, width=64))
-    elif args.draft_model and args.target_model:
-        draft, target = args.draft_model, args.target_model
-    else:
-        from specdec.models import FetchError, default_pair
-
-        try:
-            pair = default_pair()
-        except FetchError as exc:
-            raise SystemExit(f"bench/kv_restore.py: {exc} (or --tiny)")
-        draft, target = str(pair["draft"]), str(pair["target"])
+    draft, target = model_pair(args, "bench/kv_restore.py", context=max(args.lengths) + 256, layers=4, width=64)
     from transformers import AutoConfig
 
     vocab = min(AutoConfig.from_pretrained(m).vocab_size for m in (draft, target))

@@ -4,7 +4,9 @@ each one's CPU time so far."""
 from __future__ import annotations
 
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -39,3 +41,23 @@ def cpu_columns(row: dict) -> str:
     widths = {"coordinator": 11, "client": 8, "draft": 8, "target": 8}
     return " ".join(f"{'n/a' if row[f'cpu_{n}_ms'] is None else format(row[f'cpu_{n}_ms'], '.3f'):>{w}}"
                     for n, w in widths.items())
+
+
+def model_pair(args, script: str, **tiny_options) -> tuple[str, str]:
+    """(draft, target) of a benchmark: a tiny random pair built here (--tiny, built with
+    `tiny_options`), the --draft-model and --target-model given, or the fetched pair."""
+    if args.tiny:
+        from specdec.tiny import build_pair
+
+        root = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+        draft, target = build_pair(root, "llama", **tiny_options)
+        return str(draft), str(target)
+    if args.draft_model and args.target_model:
+        return args.draft_model, args.target_model
+    from specdec.models import FetchError, default_pair
+
+    try:
+        pair = default_pair()
+    except FetchError as exc:
+        raise SystemExit(f"{script}: {exc} (or give --draft-model/--target-model, or --tiny)")
+    return str(pair["draft"]), str(pair["target"])
