@@ -41,7 +41,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import llama_server, report  # noqa: E402
 from bench.hf_methods import Timed, methods as hf_methods  # noqa: E402
+from bench.processes import model_pair  # noqa: E402
 from bench.prompts import PROMPTS, QUICK, Prompt  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
@@ -107,21 +107,7 @@ def record(tries: list[tuple[Timed, dict | None]]) -> dict:
 
 
 def model_paths(args) -> tuple[str, str]:
-    if args.tiny:
-        from specdec.tiny import build_pair
-
-        root = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
-        draft, target = build_pair(root, "llama", context=4096, layers=4, width=64)
-        return str(draft), str(target)
-    if args.draft_model and args.target_model:
-        return args.draft_model, args.target_model
-    from specdec.models import FetchError, default_pair
-
-    try:
-        pair = default_pair()
-    except FetchError as exc:
-        raise SystemExit(f"bench/speedup.py: {exc} (or give --draft-model/--target-model, or --tiny)")
-    return str(pair["draft"]), str(pair["target"])
+    return model_pair(args, "bench/speedup.py", context=4096, layers=4, width=64)
 
 
 def start_services(draft: str, target: str, args) -> subprocess.Popen:
