@@ -90,8 +90,7 @@ def kv_tier_for(runner, config):
     cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
     tier = KVTier(model_fingerprint(identity), ChunkLayout.from_spec(runner.kv_spec, config.kv_chunk_tokens),
                   cache, store, None if store is None else ChunkWriter(store),
-                  runner.read_chunk, runner.load_chunks)
-    tier.layout_device = runner.kv_spec.device
+                  runner.read_chunk, runner.load_chunks, runner.kv_spec.device)
     log.info("%s: K/V chunks of %d tokens: prefix cache %s, store %s", runner.description.model_id,
              config.kv_chunk_tokens, f"{config.prefix_cache_bytes} bytes" if cache else "off", store or "off")
     return tier

@@ -81,13 +81,15 @@ class KVTier:
     def __init__(self, model_key: bytes, layout: ChunkLayout, cache: PrefixCache | None,
                  store: ChunkStore | None, writer: ChunkWriter | None,
                  read: Callable[[SessionCache, int, int], torch.Tensor],
-                 load: Callable[[SessionCache, list[torch.Tensor], Sequence[int]], None]):
+                 load: Callable[[SessionCache, list[torch.Tensor], Sequence[int]], None],
+                 device: torch.device | None = None):
         if cache is None and store is None:
             raise ValueError("a K/V tier needs a prefix cache or a store")
         self.model_key, self.layout = model_key, layout
         self.chunk_tokens = layout.tokens
         self.cache, self.store, self.writer = cache, store, writer
         self.read, self.load = read, load
+        self.device = device  # where chunks read from the store are decoded to (the engine's K/V device)
         self.counters = TierCounters()
 
     def metrics(self) -> dict[str, float]:
@@ -152,13 +154,12 @@ class KVTier:
         rest = keys[len(chunks):]
         if not rest or self.store is None:
             return chunks
-        device = self.layout_device
         for key, value in zip(rest, self.store.get_many(rest)):
             if value is None:
                 counters.store_misses += 1
                 break
             try:
-                chunk = decode_chunk(value, key, self.layout, device)
+                chunk = decode_chunk(value, key, self.layout, self.device)
             except ChunkError as exc:
                 counters.rejected += 1
                 log.warning("K/V chunk %s… unusable (%s): prefilling from there", key.hex()[:12], exc)
@@ -168,8 +169,6 @@ class KVTier:
             if self.cache is not None:
                 self.cache.put(key, chunk)
         return chunks
-
-    layout_device: torch.device | None = None  # where loaded chunks go (the engine's K/V device)
 
     def keep(self, entry: SessionCache, committed: int, salt: str = "") -> None:
         """After a call: the full chunks of the first `committed` tokens of `entry` that it has
