@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from specdec.errors import FailedPrecondition, Unavailable
+from specdec.logtag import redacted_url
 
 from coordinator.store import (
     Lease, Placement, SessionRecord, busy_error, check_lease, not_found_error, taken_over_error,
@@ -71,14 +72,6 @@ def _keys(session_id: str) -> tuple[str, str, str]:
     return base + ":meta", base + ":tokens", base + ":lease"
 
 
-def _redacted(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
-
-
 class RedisSessionStore:
     """`SessionStore` over Redis; see the module docstring for the layout."""
 
@@ -94,7 +87,7 @@ class RedisSessionStore:
         self._release = self.client.register_script(RELEASE_SCRIPT)
 
     def _unavailable(self, exc: Exception) -> Unavailable:
-        return Unavailable(f"session store {_redacted(self.url)} is unreachable or refused us "
+        return Unavailable(f"session store {redacted_url(self.url)} is unreachable or refused us "
                            f"({exc.__class__.__name__}: {exc}); retry when it is back")
 
     async def ping(self) -> None:

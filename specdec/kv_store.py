@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -41,6 +41,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from specdec.errors import Unavailable
+from specdec.logtag import redacted_url
 
 log = logging.getLogger(__name__)
 
@@ -89,24 +90,6 @@ class ChunkCounters:
     def snapshot(self) -> ChunkStoreStats:
         with self._lock:
             return ChunkStoreStats(**self._values)
-
-
-def redacted_url(url: str) -> str:
-    """`url` without its credentials (user info, a `password=` query value), for messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "***" if "@" in url else url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    netloc, tail = rest[:end], rest[end:]
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    path, qmark, query = tail.partition("?")
-    if qmark:
-        query, hash_, fragment = query.partition("#")
-        pairs = [(k, "***" if k.lower() == "password" else v)
-                 for k, v in parse_qsl(query, keep_blank_values=True)]
-        tail = path + "?" + urlencode(pairs, safe="*") + hash_ + fragment
-    return f"{scheme}://{netloc}{tail}"
 
 
 def _check_key(key: object) -> bytes:

@@ -14,8 +14,9 @@ import redis
 
 from specdec.errors import Unavailable
 from specdec.kv_store import (
-    ChunkStoreStats, ChunkWriter, MemoryChunkStore, RedisChunkStore, open_chunk_store, redacted_url,
+    ChunkStoreStats, ChunkWriter, MemoryChunkStore, RedisChunkStore, open_chunk_store,
 )
+from specdec.logtag import redacted_url
 from tests.redis_server import RedisServer
 
 
