@@ -230,7 +230,8 @@ def generating(cluster, url: str, model_id: str):
 
     first = httpx.post(url, json={"model": model_id, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
     session_id = first.json()["specdec"]["session_id"]
-    continued = {"model": model_id, "prompt": " more", "max_tokens": 4, "session_id": session_id}
+    continued = {"model": model_id, "prompt": " more", "max_tokens": 4, "session_id": session_id,
+                 "ignore_eos": True}  # exactly 4 tokens, whatever the tiny model emits
     replies = []
     running = threading.Thread(target=lambda: replies.append(httpx.post(url, json=continued, timeout=60)))
     with held_worker(cluster.target_servicer):
