@@ -50,7 +50,7 @@ class SessionCalls:
         sid = run.record.session_id
         return await self._with_resend(run, Tier.TARGET, lambda target, prefix, new_tokens: target.verify(
             sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed,
-            wait_for_ready=False, cache_salt=run.cache_salt),
+            wait_for_ready=False, cache_salt=run.cache_salt, top_logprobs=run.top_logprobs),
             retry_s=self.config.target_retry_s)
 
     async def _with_resend(self, run: RequestRun, tier: Tier, call: Call, retry_s: float = 0.0) -> Any:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.errors import CacheMiss, SpecdecError
-from specdec.rpc.convert import dist_from_pb, dist_to_pb, model_info_from_pb, sampling_to_pb
+from specdec.errors import CacheMiss, FailedPrecondition, SpecdecError
+from specdec.rpc.convert import dist_from_pb, dist_to_pb, logprobs_from_pb, model_info_from_pb, sampling_to_pb
 from specdec.rpc.security import name_override_options
 from specdec.rpc.server import channel_options
 from specdec.rpc.status import from_rpc_error
@@ -143,17 +143,23 @@ class TargetClient(ServiceClient):
 
     async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                      drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams,
-                     seed: int, wait_for_ready: bool = True, cache_salt: str = "") -> Verdict:
+                     seed: int, wait_for_ready: bool = True, cache_salt: str = "",
+                     top_logprobs: int | None = None) -> Verdict:
         request = target_pb2.VerifyRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             draft_tokens=drafts,
             draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
-            sampling=sampling_to_pb(params), seed=seed, cache_salt=cache_salt,
+            sampling=sampling_to_pb(params), seed=seed, cache_salt=cache_salt, top_logprobs=top_logprobs,
         )
         response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready,
                                    stream=self.verify_stream)
+        logprobs = tuple(logprobs_from_pb(entry) for entry in response.logprobs)
+        if top_logprobs is not None and len(logprobs) != response.num_accepted + 1:
+            raise FailedPrecondition(
+                f"the target service at {self.address} returned no log-probabilities (it predates "
+                "top_logprobs): upgrade it, or leave top_logprobs unset")
         return Verdict(response.num_accepted, response.next_token, response.is_bonus,
-                       list(response.accept_probs), response.cached_len, response.restored_tokens)
+                       list(response.accept_probs), response.cached_len, response.restored_tokens, logprobs)
 
     async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
         request = target_pb2.TargetServiceReleaseRequest(session_id=session_id)

@@ -22,7 +22,7 @@ from specdec.fingerprint import PrefixHashes
 from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
-from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams
+from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs
 
 from coordinator.calls import SessionCalls
 from coordinator.lease_keeper import LeaseKeeper
@@ -162,7 +162,7 @@ class Engine:
                    added: list[int], max_new: int, mode: SpeculationMode) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
         run = RequestRun(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids),
-                         cache_salt=request.cache_salt)
+                         cache_salt=request.cache_salt, top_logprobs=request.top_logprobs)
         run.commit(added)
         record.requests += 1
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here
@@ -178,6 +178,7 @@ class Engine:
                 if self.context_length - len(record.token_ids) <= 0:
                     finish = FinishReason.CONTEXT
                     round_tokens: list[int] = []
+                    round_logprobs: list[TokenLogprobs] = []
                 else:
                     this_round = ahead if ahead is not None else self._round(
                         run, spec, self._cap(record, generated, max_new), request.params, rng)
@@ -197,6 +198,7 @@ class Engine:
                             finish = FinishReason.LENGTH
                             break
                     run.commit(round_tokens)
+                    round_logprobs = list(result.verdict.logprobs[:len(round_tokens)])
                     if self.governor is not None:
                         self.governor.record(len(round_tokens))
                     for tier in Tier:  # a replica never holds more than is committed
@@ -215,7 +217,7 @@ class Engine:
                     await self._save_snapshot(record, committed, lease)  # an error cancels `ahead` (finally)
                     self._observe_metrics(result, store_started)
                 delta, finish = text.delta(finish)
-                chunk = Chunk(record.session_id, delta, round_tokens)
+                chunk = Chunk(record.session_id, delta, round_tokens, logprobs=round_logprobs)
                 if finish is not None:
                     run.stats.coordinator_seconds = max(
                         0.0, time.perf_counter() - started - run.stats.draft_seconds - run.stats.target_seconds)

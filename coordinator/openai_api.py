@@ -22,11 +22,12 @@ from pydantic import ValidationError
 
 from specdec import errors
 from specdec.rpc.security import bearer_token
-from specdec.types import Proposer, SamplingParams
+from specdec.types import Proposer, SamplingParams, TokenLogprobs
 
 from coordinator.engine import Engine
 from coordinator.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                         SpecdecFields, error_body, new_id, now, specdec_object, usage)
+                                         SpecdecFields, TokenText, chat_logprobs, completion_logprobs, error_body,
+                                         new_id, now, specdec_object, usage)
 from coordinator.request import GenerationRequest
 from coordinator.rounds import Chunk
 from coordinator.stats import GenerationStats
@@ -111,35 +112,54 @@ def sse(data: Any) -> str:
 
 
 class Completions:
-    """The shapes of /v1/completions: its response, and its stream's chunks."""
+    """The shapes of one /v1/completions request: its response, and its stream's chunks."""
 
     object = "text_completion"
     id_prefix = "cmpl"
 
-    def response_choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    def __init__(self, name: TokenText | None = None):
+        self.name = name  # names tokens in `logprobs`; None: the request asked for none
+        self.sent = 0     # characters of text streamed so far (the origin of text_offset)
 
-    def deltas(self, text: str, finish: str | None, first: bool) -> list[dict[str, Any]]:
+    def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict[str, Any] | None:
+        return None if self.name is None else completion_logprobs(entries, self.name, offset)
+
+    def carries(self, text: str, finish: str | None, entries: list[TokenLogprobs]) -> bool:
+        """Whether an engine chunk makes a chunk of the stream (tokens whose text is held back
+        still have log-probabilities to send)."""
+        return bool(text) or finish is not None or (self.name is not None and bool(entries))
+
+    def response_choice(self, text: str, finish: str | None, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": self.logprobs(entries, 0)}
+
+    def deltas(self, text: str, finish: str | None, first: bool,
+               entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
         """The choices of the chunks for one engine chunk (none when it carries nothing)."""
-        if not text and finish is None:
+        if not self.carries(text, finish, entries):
             return []
-        return [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+        out = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": self.logprobs(entries, self.sent)}]
+        self.sent += len(text)
+        return out
 
 
 class ChatCompletions(Completions):
     object = "chat.completion"
     id_prefix = "chatcmpl"
 
-    def response_choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                "logprobs": None}
+    def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict[str, Any] | None:
+        return None if self.name is None else chat_logprobs(entries, self.name)
 
-    def deltas(self, text: str, finish: str | None, first: bool) -> list[dict[str, Any]]:
+    def response_choice(self, text: str, finish: str | None, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": self.logprobs(entries, 0)}
+
+    def deltas(self, text: str, finish: str | None, first: bool,
+               entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
         out = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                 "logprobs": None}] if first else []
-        if text or finish is not None:
+        if self.carries(text, finish, entries):
             out.append({"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish,
-                        "logprobs": None})
+                        "logprobs": self.logprobs(entries, 0)})
         return out
 
 
@@ -153,6 +173,7 @@ class OpenAIApi:
         self.api_key = api_key.encode("ascii") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = now()
+        self.token_text = TokenText(engine.tokenizer)
 
     # ---- the request ---------------------------------------------------------------------------
 
@@ -214,7 +235,7 @@ class OpenAIApi:
                 top_k=body.top_k or 0, top_p=SamplingParams.top_p if body.top_p is None else body.top_p),
             seed=body.seed, max_new_tokens=max_tokens, num_speculative_tokens=body.num_speculative_tokens,
             stop=stop, ignore_eos=body.ignore_eos, proposer=Proposer(body.proposer) if body.proposer else None,
-            cache_salt=body.cache_salt, **inputs)
+            cache_salt=body.cache_salt, top_logprobs=body.top_logprobs_asked(), **inputs)
 
     @staticmethod
     def prompt_input(prompt: Any) -> dict[str, Any]:
@@ -258,16 +279,17 @@ class OpenAIApi:
         if stream:
             return EventStream(self.events(chunks, first, shape, include_usage))
         try:
-            text, last = first.text, first
+            text, last, entries = first.text, first, list(first.logprobs)
             async for chunk in chunks:  # to the end: the engine finishes the request after its last chunk
                 text += chunk.text
+                entries += chunk.logprobs
                 last = chunk
         finally:
             await chunks.aclose()
         stats = last.stats or GenerationStats()
         return JSONResponse({
             "id": new_id(shape.id_prefix), "object": shape.object, "created": now(), "model": self.model_id,
-            "choices": [shape.response_choice(text, FINISH_REASONS.get(last.finish_reason))],
+            "choices": [shape.response_choice(text, FINISH_REASONS.get(last.finish_reason), entries)],
             "usage": usage(stats), "specdec": specdec_object(last.session_id, stats)})
 
     async def events(self, chunks: AsyncIterator[Chunk], first: Chunk, shape: Completions,
@@ -282,7 +304,7 @@ class OpenAIApi:
             while chunk is not None:
                 last = chunk
                 finish = FINISH_REASONS.get(chunk.finish_reason)
-                for choice in shape.deltas(chunk.text, finish, not opened):
+                for choice in shape.deltas(chunk.text, finish, not opened, chunk.logprobs):
                     yield sse({**head, "choices": [choice],
                                "specdec": specdec_object(chunk.session_id, chunk.stats)})
                 opened = True
@@ -312,14 +334,19 @@ class OpenAIApi:
         self.authorize(request)
         body = await self.body(request, CompletionRequest)
         generation = self.generation(body, body.max_tokens, **self.prompt_input(body.prompt))
-        return await self.run(generation, Completions(), body.stream, _include_usage(body))
+        return await self.run(generation, Completions(self.names(body)), body.stream, _include_usage(body))
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
         body = await self.body(request, ChatCompletionRequest)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         generation = self.generation(body, max_tokens, **self.messages_input(body.messages))
-        return await self.run(generation, ChatCompletions(), body.stream, _include_usage(body))
+        return await self.run(generation, ChatCompletions(self.names(body)), body.stream,
+                              _include_usage(body))
+
+    def names(self, body: SpecdecFields) -> TokenText | None:
+        """What names the tokens of the response's logprobs (None: the request asked for none)."""
+        return None if body.top_logprobs_asked() is None else self.token_text
 
 
 def _include_usage(body: SpecdecFields) -> bool:

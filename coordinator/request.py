@@ -11,7 +11,7 @@ from typing import Any
 
 from specdec.config import CoordinatorConfig
 from specdec.errors import InvalidArgument
-from specdec.types import Proposer, SamplingParams
+from specdec.types import Proposer, SamplingParams, check_top_logprobs
 
 from coordinator.chat import render_messages
 
@@ -35,6 +35,7 @@ class GenerationRequest:
     ignore_eos: bool = False                         # keep going past end-of-sequence
     proposer: Proposer | str | None = None           # None = the coordinator's default
     cache_salt: str = ""                             # mixed into the services' K/V chunk keys
+    top_logprobs: int | None = None                  # None: no log-probabilities; N: each token's and N more
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ def request_limits(request: GenerationRequest, config: CoordinatorConfig,
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
                               f"got {len(request.cache_salt)}")
+    check_top_logprobs(request.top_logprobs)
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
     return max_new, SpeculationMode(Proposer(name), gamma)

@@ -8,7 +8,7 @@ from enum import StrEnum
 
 from specdec.fingerprint import PrefixHashes
 from specdec.rng import RequestRng
-from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, Verdict
+from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, TokenLogprobs, Verdict
 
 from coordinator.speculation import Plan, RequestSpeculation
 from coordinator.stats import GenerationStats
@@ -43,6 +43,7 @@ class RequestRun:
     calls: dict[Tier, int] = field(default_factory=lambda: {tier: 0 for tier in Tier})  # answered calls per tier
     predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
     cache_salt: str = ""  # the request's: mixed into the services' K/V chunk keys
+    top_logprobs: int | None = None  # the request's: None, or the alternatives per token the target returns
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)
@@ -107,3 +108,4 @@ class Chunk:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per token of token_ids, when asked for

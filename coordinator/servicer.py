@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.rpc.convert import sampling_from_pb
+from specdec.rpc.convert import logprobs_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.types import Proposer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -50,6 +50,7 @@ def request_from_pb(pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
         ignore_eos=pb.ignore_eos,
         proposer=proposer_from_pb(pb.proposer),
         cache_salt=pb.cache_salt,
+        top_logprobs=pb.top_logprobs if pb.HasField("top_logprobs") else None,
     )
 
 
@@ -69,6 +70,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 session_id=chunk.session_id, text=chunk.text, token_ids=chunk.token_ids,
                 finish_reason=FINISH_TO_PB[chunk.finish_reason],
                 stats=stats_to_pb(chunk.stats) if chunk.stats else None,
+                logprobs=[logprobs_to_pb(entry) for entry in chunk.logprobs],
             )
 
     @map_errors
@@ -78,6 +80,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             response.session_id = chunk.session_id
             response.text += chunk.text
             response.token_ids.extend(chunk.token_ids)
+            response.logprobs.extend(logprobs_to_pb(entry) for entry in chunk.logprobs)
             if chunk.finish_reason:
                 response.finish_reason = FINISH_TO_PB[chunk.finish_reason]
                 response.stats.CopyFrom(stats_to_pb(chunk.stats))

@@ -129,6 +129,25 @@ class Proposal:
     restored_tokens: int = 0  # history tokens whose K/V were loaded from chunks, not run
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)
+
+
+def check_top_logprobs(top: int | None) -> None:
+    """None (no log-probabilities) or 0..MAX_TOP_LOGPROBS alternatives per token."""
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0: only the emitted "
+                              f"token's log-probability), got {top}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities at one emitted token's position (specdec/logprobs.py)."""
+
+    token_id: int                            # the emitted token
+    logprob: float                           # its log-probability
+    top: tuple[tuple[int, float], ...] = ()  # the most likely (token id, log-prob), most likely first
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the target returns for one round."""
@@ -139,6 +158,7 @@ class Verdict:
     accept_probs: list[float] = field(default_factory=list)
     cached_len: int = 0
     restored_tokens: int = 0  # history tokens whose K/V were loaded from chunks, not run
+    logprobs: tuple[TokenLogprobs, ...] = ()  # per committed token, when the call asked for them
 
     def committed(self, draft_tokens: list[int]) -> list[int]:
         """The tokens this round commits: accepted drafts plus the target's own token."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from specdec.rpc.convert import description_for, dist_from_pb, model_info_to_pb, sampling_from_pb
+from specdec.rpc.convert import description_for, dist_from_pb, logprobs_to_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.rpc.streaming import serve_calls
 from specdec.runtime.calls import deadline_of, run_call
@@ -46,6 +46,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
             sampling_from_pb(request.sampling), request.seed, request.cache_salt,
+            request.top_logprobs if request.HasField("top_logprobs") else None,
         )
         verdict = await run_call(self.scheduler, self.verifier.runner, call, deadline)
         return target_pb2.VerifyResponse(
@@ -53,6 +54,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             is_bonus=verdict.is_bonus, accept_probs=verdict.accept_probs,
             cached_len=verdict.cached_len,
             restored_tokens=verdict.restored_tokens,
+            logprobs=[logprobs_to_pb(entry) for entry in verdict.logprobs],
         )
 
     @map_errors

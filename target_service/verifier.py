@@ -10,11 +10,12 @@ import torch
 from specdec.acceptance import accept_greedy, accept_sampled
 from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
+from specdec.logprobs import token_logprobs
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.sampling import target_probs
-from specdec.types import SamplingParams, SparseDist, Verdict
+from specdec.types import SamplingParams, SparseDist, TokenLogprobs, Verdict, check_top_logprobs
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class VerifyCall:
     params: SamplingParams
     seed: int
     cache_salt: str = ""  # mixed into its K/V chunk keys
+    top_logprobs: int | None = None  # None: no log-probabilities; N: each emitted token's and N more
 
 
 class Verifier:
@@ -38,7 +40,7 @@ class Verifier:
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
              drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams, seed: int,
-             cache_salt: str = "") -> VerifyCall:
+             cache_salt: str = "", top_logprobs: int | None = None) -> VerifyCall:
         """Validate a request without touching any cache (InvalidArgument naming what is wrong)."""
         runner = self.runner
         gamma = len(drafts)
@@ -49,11 +51,12 @@ class Verifier:
             )
         runner.check_request(session_id, prefix_len, new_tokens, gamma)
         runner.check_token_ids(drafts, "draft_tokens")
+        check_top_logprobs(top_logprobs)
         draft_q = None
         if not params.greedy and gamma:
             draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size, runner.device)
         return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed,
-                          cache_salt)
+                          cache_salt, top_logprobs)
 
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[Verdict | Exception]:
         """Run on the model worker: roll each session back, ONE forward over every row's new
@@ -101,8 +104,12 @@ class Verifier:
             p = target_probs(logits, call.params)  # [γ+1, vocab]
             verdict = accept_sampled(call.drafts, call.draft_q or DraftQ.from_dense(p[:0], []), p, generator)
         entry.crop(len(entry) - len(call.drafts) + verdict.num_accepted)
+        logprobs: tuple[TokenLogprobs, ...] = ()
+        if call.top_logprobs is not None:
+            emitted = verdict.committed(call.drafts)
+            logprobs = tuple(token_logprobs(logits[: len(emitted)], emitted, call.top_logprobs))
         return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs,
-                       len(entry), self.runner.take_restored(call.session_id))
+                       len(entry), self.runner.take_restored(call.session_id), logprobs)
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)

@@ -18,6 +18,7 @@ try:  # the HTTP client the openai package brings: httpx, or its renamed fork in
 except ImportError:
     import httpx
 
+from coordinator.openai_protocol import TokenText
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
@@ -121,6 +122,50 @@ def test_chat_greedy_matches_grpc(cluster, client, base_url, model_id):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+def test_logprobs_match_grpc(cluster, client, base_url, model_id):
+    """The target's log-probabilities, as the gRPC API returns them, in OpenAI's two shapes."""
+    expected = grpc_greedy(cluster, 8, prompt=PROMPT, top_logprobs=3)
+    decode = TokenText(cluster.coordinator.engine.tokenizer)  # a token's name: its text, or its bytes
+    names = [decode(entry.token_id) for entry in expected.logprobs]
+    reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, logprobs=3,
+                                      extra_body=EXTRA, **GREEDY)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == names
+    assert logprobs.token_logprobs == pytest.approx([entry.logprob for entry in expected.logprobs])
+    assert logprobs.top_logprobs == [
+        {decode(t): pytest.approx(lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
+        for entry in expected.logprobs]
+    assert all(len(top) == 3 for top in logprobs.top_logprobs)  # every alternative has its own name
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    # chat, streamed through the async client: each chunk's tokens with their alternatives
+    messages = [{"role": "user", "content": "Explain quicksort."}]
+    chat_expected = grpc_greedy(cluster, 8, messages=[("user", "Explain quicksort.")], top_logprobs=2)
+
+    async def streamed() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as aclient:
+            stream = await aclient.chat.completions.create(model=model_id, messages=messages, max_tokens=8,
+                                                           logprobs=True, top_logprobs=2, stream=True,
+                                                           extra_body=EXTRA, **GREEDY)
+            return [chunk async for chunk in stream]
+
+    content = [entry for chunk in asyncio.run(streamed()) if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]
+    assert [entry.token for entry in content] == [decode(e.token_id) for e in chat_expected.logprobs]
+    assert [entry.logprob for entry in content] == pytest.approx([e.logprob for e in chat_expected.logprobs])
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert [bytes(entry.bytes) for entry in content] == [decode.named(e.token_id)[1] for e in chat_expected.logprobs]
+    assert [[top.token for top in entry.top_logprobs] for entry in content] == [
+        [decode(t) for t in e.top_token_ids] for e in chat_expected.logprobs]
+    # not asked: null; logprobs without top_logprobs: no alternatives
+    plain = client.chat.completions.create(model=model_id, messages=messages, max_tokens=3, extra_body=EXTRA,
+                                           **GREEDY)
+    assert plain.choices[0].logprobs is None
+    only = client.chat.completions.create(model=model_id, messages=messages, max_tokens=3, logprobs=True,
+                                          extra_body=EXTRA, **GREEDY)
+    assert len(only.choices[0].logprobs.content) == 3
+    assert all(entry.top_logprobs == [] for entry in only.choices[0].logprobs.content)
+
+
 def test_stream_usage_and_sse_framing(client, base_url, model_id):
     chunks = list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=9, stream=True,
                                             stream_options={"include_usage": True}, extra_body=EXTRA, **GREEDY))
@@ -154,7 +199,13 @@ def test_errors(client, base_url, model_id):
     error = _error(httpx.post(url, json={**base, "model": "no-such-model"}), 404)
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert _error(httpx.post(url, json={**base, "n": 2}), 400)["param"] == "n"
-    assert _error(httpx.post(url, json={**base, "logprobs": 2}), 400)["param"] == "logprobs"
+    assert _error(httpx.post(url, json={**base, "logit_bias": {"1": 2.0}}), 400)["param"] == "logit_bias"
+    assert _error(httpx.post(url, json={**base, "logprobs": 6}), 400)["param"] == "logprobs"
+    chat = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert "needs logprobs" in _error(httpx.post(f"{base_url}/v1/chat/completions",
+                                                 json={**chat, "top_logprobs": 2}), 400)["message"]
+    assert _error(httpx.post(f"{base_url}/v1/chat/completions",
+                             json={**chat, "logprobs": True, "top_logprobs": 21}), 400)["param"] == "top_logprobs"
     assert "temperature" in _error(httpx.post(url, json={**base, "temperature": -1}), 400)["message"]
     assert _error(httpx.post(url, content=b'{"model": ', headers={"content-type": "application/json"}), 400)
     assert _error(httpx.post(url, json={**base, "max_tokens": "many"}), 400)["param"] == "max_tokens"
@@ -218,8 +269,6 @@ def test_disconnect_mid_stream_frees_the_session(client, base_url, model_id):
             time.sleep(0.1)
     assert reply.model_extra["specdec"]["session_id"] == session_id
     assert reply.usage.completion_tokens == 2
-
-
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from specdec.cores import CpuPlacement
 from specdec.errors import InvalidArgument
-from specdec.types import ModelDescription, SamplingParams, SparseDist
+from specdec.types import ModelDescription, SamplingParams, SparseDist, TokenLogprobs
 from specdec.v1 import common_pb2
 
 
@@ -33,6 +33,16 @@ def dist_from_pb(pb: common_pb2.SparseDistribution) -> SparseDist:
 
 def dist_to_pb(dist: SparseDist) -> common_pb2.SparseDistribution:
     return common_pb2.SparseDistribution(token_ids=dist.token_ids, probs=dist.probs)
+
+
+def logprobs_to_pb(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_id=entry.token_id, logprob=entry.logprob,
+                                    top_token_ids=[token for token, _ in entry.top],
+                                    top_logprobs=[logprob for _, logprob in entry.top])
+
+
+def logprobs_from_pb(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(pb.token_id, pb.logprob, tuple(zip(pb.top_token_ids, pb.top_logprobs)))
 
 
 def model_info_to_pb(desc: ModelDescription) -> common_pb2.ModelInfo:

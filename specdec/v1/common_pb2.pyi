@@ -74,6 +74,18 @@ class CpuPlacement(_message.Message):
     threads: int
     def __init__(self, boot_id: _Optional[str] = ..., cores: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
 
+class TokenLogprobs(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_round", "draft_seconds", "target_seconds", "coordinator_seconds", "draft_prefill_tokens", "target_prefill_tokens", "cache_misses", "accepted_per_position", "fallback_rounds", "target_retries", "draft_rounds", "ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens", "rounds_by_gamma", "gamma_per_round", "draft_hint_tokens", "draft_hint_accepted_tokens", "draft_ahead_calls", "draft_ahead_rounds", "draft_restored_tokens", "target_restored_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
