@@ -13,7 +13,7 @@ import hmac
 import json
 import logging
 import math
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import StarletteHTTPException
@@ -35,6 +35,7 @@ from coordinator.stats import GenerationStats
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=SpecdecFields)
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -268,24 +269,36 @@ class OpenAIApi:
 
     # ---- the response --------------------------------------------------------------------------
 
-    async def run(self, request: GenerationRequest, shape: Completions, stream: bool,
+    async def run(self, http: Request, request: GenerationRequest, shape: Completions, stream: bool,
                   include_usage: bool) -> Response:
+        """The generation as one response or as events. Until the response begins, a client that
+        goes away cancels the generation (its committed tokens stay), as a cancelled gRPC call does."""
         chunks = self.engine.generate(request)
-        try:
-            first = await anext(chunks)  # a refused request fails here, before any byte is sent
-        except BaseException:
-            await chunks.aclose()
-            raise
         if stream:
+            try:  # a refused request fails here, before any byte is sent
+                first = await until_disconnected(http, anext(chunks))
+            except BaseException:
+                await chunks.aclose()
+                raise
+            if first is None:
+                await chunks.aclose()
+                return Response(status_code=CLIENT_CLOSED)
             return EventStream(self.events(chunks, first, shape, include_usage))
+        whole = await until_disconnected(http, self.whole(chunks, shape))
+        return Response(status_code=CLIENT_CLOSED) if whole is None else whole
+
+    async def whole(self, chunks: AsyncIterator[Chunk], shape: Completions) -> JSONResponse:
+        """The non-streamed response: every chunk, to the end (the engine finishes the request
+        after its last chunk)."""
+        text, entries, last = "", [], None
         try:
-            text, last, entries = first.text, first, list(first.logprobs)
-            async for chunk in chunks:  # to the end: the engine finishes the request after its last chunk
+            async for chunk in chunks:
                 text += chunk.text
                 entries += chunk.logprobs
                 last = chunk
         finally:
             await chunks.aclose()
+        assert last is not None  # the engine's last chunk carries the finish reason
         stats = last.stats or GenerationStats()
         return JSONResponse({
             "id": new_id(shape.id_prefix), "object": shape.object, "created": now(), "model": self.model_id,
@@ -334,19 +347,47 @@ class OpenAIApi:
         self.authorize(request)
         body = await self.body(request, CompletionRequest)
         generation = self.generation(body, body.max_tokens, **self.prompt_input(body.prompt))
-        return await self.run(generation, Completions(self.names(body)), body.stream, _include_usage(body))
+        return await self.run(request, generation, Completions(self.names(body)), body.stream,
+                              _include_usage(body))
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
         body = await self.body(request, ChatCompletionRequest)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         generation = self.generation(body, max_tokens, **self.messages_input(body.messages))
-        return await self.run(generation, ChatCompletions(self.names(body)), body.stream,
+        return await self.run(request, generation, ChatCompletions(self.names(body)), body.stream,
                               _include_usage(body))
 
     def names(self, body: SpecdecFields) -> TokenText | None:
         """What names the tokens of the response's logprobs (None: the request asked for none)."""
         return None if body.top_logprobs_asked() is None else self.token_text
+
+
+CLIENT_CLOSED = 499  # the client went away before its response began (nginx's name for it)
+
+
+async def until_disconnected(http: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None when the client disconnects first: then `work` is cancelled and
+    awaited, so what it was running is cleaned up before this returns. The request's body must
+    have been read (the next ASGI message is then the disconnect)."""
+    doing = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(_disconnect(http))
+    try:
+        await asyncio.wait((doing, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not doing.done():
+            doing.cancel()
+        await asyncio.gather(doing, watching, return_exceptions=True)
+    if doing.cancelled():
+        log.info("OpenAI API: the client went away before its response began; generation cancelled")
+        return None
+    return doing.result()
+
+
+async def _disconnect(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _include_usage(body: SpecdecFields) -> bool:

@@ -271,6 +271,32 @@ def test_disconnect_mid_stream_frees_the_session(client, base_url, model_id):
     assert reply.usage.completion_tokens == 2
 
 
+def committed_tokens(cluster, session_id: str) -> list[int]:
+    from specdec.v1 import coordinator_pb2
+
+    return list(cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session_id)).token_ids)
+
+
+def test_disconnect_before_a_whole_response_frees_the_session(cluster, client, base_url, model_id):
+    """A non-streamed request whose client gives up is cancelled at once, its tokens kept."""
+    first = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, extra_body=EXTRA, **GREEDY)
+    session_id = first.model_extra["specdec"]["session_id"]
+    held = len(committed_tokens(cluster, session_id))
+    body = {"model": model_id, "prompt": " more", "max_tokens": 2000, "session_id": session_id,
+            **GREEDY, **EXTRA}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 2000 tokens
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    started = time.monotonic()
+    while cluster.coordinator.engine.active:  # the generation stops within a round or two
+        assert time.monotonic() - started < 5, "the abandoned request is still generating"
+        time.sleep(0.05)
+    kept = committed_tokens(cluster, session_id)
+    assert held < len(kept) < held + 2000  # what it committed before the client left is kept
+    reply = client.completions.create(model=model_id, prompt=" again", max_tokens=2,
+                                      extra_body={**EXTRA, "session_id": session_id}, **GREEDY)
+    assert reply.usage.completion_tokens == 2  # not busy
+
+
 @contextlib.contextmanager
 def generating(cluster, url: str, model_id: str):
     """A request continuing a fresh session, running (its round waits behind a held target
