@@ -73,6 +73,17 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "draft-disabled": {"draft": {"enabled": False}},
     "memory-store-no-metrics": {"redis": {"enabled": False}, "metrics": {"port": 0},
                                 "coordinator": {"replicaCount": 1, "http": {"port": 0}}},
+    "http-ingress": {
+        "tls": {"public": {"enabled": True, "secretName": "api-tls"}},
+        "coordinator": {"http": {"port": 8080, "readinessProbe": True, "ingress": {
+            "enabled": True, "className": "nginx",
+            "annotations": {"nginx.ingress.kubernetes.io/backend-protocol": "HTTPS"},
+            "hosts": [{"host": "api.example.com", "paths": [{"path": "/v1", "pathType": "Prefix"},
+                                                            {"path": "/health", "pathType": "Exact"}]}],
+            "tls": [{"secretName": "api-ingress-tls", "hosts": ["api.example.com"]}]}}},
+        "networkPolicy": {"coordinatorIngressFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}]},
+    },
 }
 
 # Custom resources are not in kubernetes-validate's schemas: each gets a minimal schema of
@@ -219,6 +230,11 @@ def test_lint_is_clean(name):
     ({"draft": {"kvChunks": {"chunkTokens": 0}}}, "/draft/kvChunks/chunkTokens"),
     ({"target": {"kvChunks": {"cache": True}}}, "/target/kvChunks"),
     ({"redis": {"maxmemory": "lots"}}, "/redis/maxmemory"),
+    ({"coordinator": {"http": {"readinessProbe": "yes"}}}, "/coordinator/http/readinessProbe"),
+    ({"coordinator": {"http": {"ingress": {"enabled": True, "hosts": []}}}}, "/coordinator/http/ingress/hosts"),
+    ({"coordinator": {"http": {"ingress": {"hosts": [{"host": "a.example.com", "paths": [
+        {"path": "/", "pathType": "Regex"}]}]}}}}, "/coordinator/http/ingress/hosts/0/paths/0/pathType"),
+    ({"coordinator": {"http": {"ingress": {"tls": [{"secret": "x"}]}}}}, "/coordinator/http/ingress/tls/0"),
 ])
 def test_schema_rejects_bad_values(chart, values, where):
     with pytest.raises(helm.HelmValuesError) as info:
@@ -415,6 +431,73 @@ def test_the_http_api_is_on_the_coordinators_pods_and_service(rendered):
     c = container(off.one("Deployment", "coordinator"))
     assert "--http-port=0" in c["args"] and all(p["name"] != "http" for p in c["ports"])
     assert all(p["name"] != "http" for p in off.one("Service", "coordinator")["spec"]["ports"])
+
+
+def test_the_http_readiness_probe_is_an_http_get_on_the_http_port(rendered, chart):
+    """coordinator.http.readinessProbe: readiness becomes GET /health on http.port (HTTPS with
+    tls.public, no key needed), with the readiness timings; startup and liveness stay gRPC."""
+    c = container(rendered["http-ingress"].one("Deployment", "coordinator"))
+    assert c["readinessProbe"] == {"httpGet": {"path": "/health", "port": 8080, "scheme": "HTTPS"},
+                                   "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5}
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    for probe in ("startupProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"][:2] == ["specdec-healthcheck", "127.0.0.1:50051"], probe
+    plain = chart.render({"coordinator": {"http": {"readinessProbe": True},
+                                          "probes": {"readiness": {"periodSeconds": 7}}}},
+                         name=RELEASE, namespace=NAMESPACE, is_install=True)
+    (deployment,) = [d for d in yaml.safe_load_all(plain["specdec/templates/deployment-coordinator.yaml"]) if d]
+    c = container(deployment)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000, "scheme": "HTTP"}
+    assert c["readinessProbe"]["periodSeconds"] == 7 and "grpc" not in c["readinessProbe"]
+    assert c["livenessProbe"]["grpc"] == {"port": 50051} and c["startupProbe"]["grpc"] == {"port": 50051}
+    for name, r in rendered.items():  # off by default: every other value set keeps the gRPC readiness probe
+        if name != "http-ingress":
+            assert "httpGet" not in container(r.one("Deployment", "coordinator"))["readinessProbe"], name
+    for tier in ("draft", "target"):
+        assert "httpGet" not in container(rendered["http-ingress"].one("Deployment", tier))["readinessProbe"]
+
+
+def test_the_ingress_routes_to_the_coordinators_http_port(rendered, chart):
+    r = rendered["http-ingress"]
+    ingress = r.one("Ingress", "coordinator")
+    assert ingress["apiVersion"] == "networking.k8s.io/v1" and ingress["metadata"]["name"] == f"{FULL}-coordinator"
+    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/backend-protocol": "HTTPS"}
+    spec = ingress["spec"]
+    assert spec["ingressClassName"] == "nginx"
+    assert spec["tls"] == [{"secretName": "api-ingress-tls", "hosts": ["api.example.com"]}]
+    backend = {"service": {"name": f"{FULL}-coordinator", "port": {"name": "http"}}}
+    assert spec["rules"] == [{"host": "api.example.com", "http": {"paths": [
+        {"path": "/v1", "pathType": "Prefix", "backend": backend},
+        {"path": "/health", "pathType": "Exact", "backend": backend}]}}]
+    # the backend: the coordinator Service's port "http", which is http.port, and speaks TLS here
+    service = r.one("Service", "coordinator")
+    assert {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP",
+            "appProtocol": "https"} in service["spec"]["ports"]
+    # the NetworkPolicy admits the HTTP port from the same peers as the gRPC port (the controller's namespace)
+    api_rule = r.one("NetworkPolicy", "coordinator")["spec"]["ingress"][0]
+    assert api_rule["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 8080, "protocol": "TCP"}]
+    assert api_rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}]
+    assert "https://api.example.com/v1" in r.notes
+    for name, other in rendered.items():  # off by default
+        if name != "http-ingress":
+            assert other.objects("Ingress") == [], name
+    # the smallest one: any host, pathType Prefix, no class, annotations or TLS
+    bare = chart.render({"coordinator": {"http": {"ingress": {"enabled": True, "hosts": [{"host": "", "paths": [{"path": "/"}]}]}}}},
+                        name=RELEASE, namespace=NAMESPACE, is_install=True)
+    (ingress,) = [d for d in yaml.safe_load_all(bare["specdec/templates/ingress-coordinator.yaml"]) if d]
+    assert "annotations" not in ingress["metadata"]
+    assert ingress["spec"] == {"rules": [{"http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": {
+        "service": {"name": f"{FULL}-coordinator", "port": {"name": "http"}}}}]}}]}
+    kubernetes_validate.validate(ingress, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("http, message", [
+    ({"port": 0, "readinessProbe": True}, "coordinator.http.readinessProbe needs the HTTP API"),
+    ({"port": 0, "ingress": {"enabled": True}}, "coordinator.http.ingress.enabled needs the HTTP API"),
+])
+def test_the_http_probe_or_ingress_without_the_http_api_fail_to_render(chart, http, message):
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        chart.render({"coordinator": {"http": http}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
 
 
 def test_kv_chunks_go_to_the_charts_redis(rendered):

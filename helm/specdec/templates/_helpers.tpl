@@ -135,6 +135,14 @@ app.kubernetes.io/part-of: specdec
 {{- if and .Values.tls.public.enabled (not .Values.tls.public.secretName) }}
 {{- fail "tls.public.enabled needs tls.public.secretName" }}
 {{- end }}
+{{- if le (int .Values.coordinator.http.port) 0 }}
+{{- if .Values.coordinator.http.readinessProbe }}
+{{- fail "coordinator.http.readinessProbe needs the HTTP API: set coordinator.http.port above 0 (0 = off), or readinessProbe to false for the gRPC readiness probe" }}
+{{- end }}
+{{- if .Values.coordinator.http.ingress.enabled }}
+{{- fail "coordinator.http.ingress.enabled needs the HTTP API: set coordinator.http.port above 0 (0 = off), or ingress.enabled to false" }}
+{{- end }}
+{{- end }}
 {{- if and .Values.apiKey.enabled (not .Values.apiKey.existingSecret) }}
 {{- fail "apiKey.enabled needs apiKey.existingSecret (a Secret holding the key)" }}
 {{- end }}

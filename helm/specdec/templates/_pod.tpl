@@ -124,7 +124,9 @@ grpc:
 {{- end }}
 
 {{/* startup, liveness and readiness probes on grpc.health.v1: liveness checks the server (""),
-readiness the tier's own service. (dict "probes" <values> "port" N "service" NAME "execArgs" LIST) */}}
+readiness the tier's own service, or with "httpReadiness" (dict "port" N "scheme" HTTP|HTTPS) an
+httpGet on GET /health of that port instead.
+(dict "probes" <values> "port" N "service" NAME "execArgs" LIST ["httpReadiness" DICT]) */}}
 {{- define "specdec.grpcProbes" -}}
 {{- $p := .probes -}}
 startupProbe:
@@ -138,7 +140,14 @@ livenessProbe:
   failureThreshold: {{ int $p.liveness.failureThreshold }}
   timeoutSeconds: {{ int $p.liveness.timeoutSeconds }}
 readinessProbe:
+  {{- with .httpReadiness }}
+  httpGet:
+    path: /health
+    port: {{ int .port }}
+    scheme: {{ .scheme }}
+  {{- else }}
   {{- include "specdec.probeAction" (dict "port" .port "service" .service "execArgs" .execArgs) | nindent 2 }}
+  {{- end }}
   periodSeconds: {{ int $p.readiness.periodSeconds }}
   failureThreshold: {{ int $p.readiness.failureThreshold }}
   timeoutSeconds: {{ int $p.readiness.timeoutSeconds }}
