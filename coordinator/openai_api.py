@@ -206,6 +206,13 @@ class OpenAIApi:
             data = json.loads(raw)
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body nests JSON arrays or objects too deeply") from None
+        try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer or protobuf takes
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                           "escape): send valid Unicode text", code="invalid_value") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
         try:

@@ -10,6 +10,9 @@ from specdec.errors import InvalidArgument
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+INT32_MAX = 2**31 - 1  # the wire's int32 fields
+FLOAT32_MAX = 3.4028234663852886e38  # the wire's float fields: the largest finite value
+FLOAT32_TINY = 1.1754943508222875e-38  # ... and the smallest normal positive one
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as in vLLM): 1/T would overflow
 
 
@@ -97,12 +100,14 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidArgument with an actionable message for out-of-range values."""
-        if not 0.0 <= self.temperature < float("inf"):
-            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0 disables top-k), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidArgument(f"top_p must be in (0, 1] (1 disables top-p), got {self.top_p}")
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy) that a float32 holds "
+                                  f"(at most {FLOAT32_MAX:.4g}), got {self.temperature}")
+        if not 0 <= self.top_k <= INT32_MAX:
+            raise InvalidArgument(f"top_k must be in [0, {INT32_MAX}] (0 disables top-k), got {self.top_k}")
+        if not (FLOAT32_TINY <= self.top_p <= 1.0):
+            raise InvalidArgument(f"top_p must be in (0, 1] (1 disables top-p) and at least {FLOAT32_TINY:.3g} "
+                                  f"(a float32 holds nothing smaller), got {self.top_p}")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def status_of(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
     (dict(prompt="hi", temperature=-0.5), INVALID, "temperature must be a finite number >= 0"),
     (dict(prompt="hi", temperature=1.0, top_p=0.0), INVALID, "top_p must be in (0, 1]"),
     (dict(prompt="hi", temperature=1.0, top_p=1.5), INVALID, "top_p must be in (0, 1]"),
-    (dict(prompt="hi", temperature=1.0, top_k=-3), INVALID, "top_k must be >= 0"),
+    (dict(prompt="hi", temperature=1.0, top_k=-3), INVALID, "top_k must be in [0, 2147483647]"),
     (dict(prompt="hi", num_speculative_tokens=17), INVALID, "num_speculative_tokens must be in [0, 16]"),
     (dict(prompt="hi", num_speculative_tokens=-1), INVALID, "num_speculative_tokens must be in [0, 16]"),
     (dict(prompt="hi", max_new_tokens=0), INVALID, "max_new_tokens must be in [1, 4096]"),
