@@ -1,0 +1,91 @@
+"""Token trees: several continuations proposed in one round, verified in one target forward.
+
+A tree's nodes are listed parents first. Each node's parent is given as on the wire: 0 is the
+root (the session's last committed token, whose logits score the first depth) and j > 0 is node
+j − 1; so a chain of γ tokens has parents 0, 1, …, γ − 1. In a forward, node i sits at the
+position of the root + its depth and attends to the history and to its own ancestors only
+(`ancestor_mask`); rows of the verification's logits are the root's, then one per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import InvalidArgument
+
+MAX_TREE_NODES = 64  # the most nodes one round may propose (every node is a verified token)
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """The tokens of a round's proposal and how they hang together."""
+
+    tokens: tuple[int, ...]   # per node, its token (following its parent's)
+    parents: tuple[int, ...]  # per node, its parent: 0 = the root, j = node j − 1 (so parents[i] <= i)
+
+    @classmethod
+    def chain(cls, tokens: list[int] | tuple[int, ...]) -> "TokenTree":
+        return cls(tuple(tokens), tuple(range(len(tokens))))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(len(self.parents)))
+
+    def check(self) -> None:
+        """InvalidArgument naming the first node that breaks the format."""
+        if len(self.parents) != len(self.tokens):
+            raise InvalidArgument(f"a tree of {len(self.tokens)} tokens needs {len(self.tokens)} parents, "
+                                  f"got {len(self.parents)}")
+        for i, parent in enumerate(self.parents):
+            if not 0 <= parent <= i:
+                raise InvalidArgument(f"draft_parents[{i}] is {parent}: a node's parent is 0 (the root) or an "
+                                      f"earlier node 1..{i} (node j is j − 1 counted from 0)")
+        seen: set[tuple[int, int]] = set()
+        for i, key in enumerate(zip(self.parents, self.tokens)):
+            if key in seen:
+                raise InvalidArgument(f"draft node {i} repeats token {key[1]} under the same parent")
+            seen.add(key)
+
+    def depths(self) -> list[int]:
+        """Per node, its depth: 1 for a child of the root."""
+        out: list[int] = []
+        for parent in self.parents:
+            out.append(1 if parent == 0 else out[parent - 1] + 1)
+        return out
+
+    def children(self) -> list[list[int]]:
+        """Per row (0 = the root, j = node j − 1), the nodes under it, in order."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, parent in enumerate(self.parents):
+            out[parent].append(i)
+        return out
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node] - 1
+        return out[::-1]
+
+
+def ancestor_mask(tree: TokenTree, device: torch.device | str = "cpu") -> torch.Tensor:
+    """mask[i, j]: node i attends to node j, its ancestor or itself -> [n, n] bool."""
+    n = len(tree)
+    mask = torch.eye(n, dtype=torch.bool, device=device)  # [n, n]
+    for i, parent in enumerate(tree.parents):
+        if parent:
+            mask[i] |= mask[parent - 1]  # parents come first: their rows are complete
+    return mask
+
+
+def subtree(tree: TokenTree, keep: list[int]) -> TokenTree:
+    """The tree of the nodes `keep` (ascending, each one's parent kept too), renumbered."""
+    index = {node: new for new, node in enumerate(keep)}
+    return TokenTree(tuple(tree.tokens[i] for i in keep),
+                     tuple(0 if tree.parents[i] == 0 else index[tree.parents[i] - 1] + 1 for i in keep))
