@@ -144,12 +144,13 @@ class TargetClient(ServiceClient):
     async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                      drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams,
                      seed: int, wait_for_ready: bool = True, cache_salt: str = "",
-                     top_logprobs: int | None = None) -> Verdict:
+                     top_logprobs: int | None = None, draft_parents: list[int] | None = None) -> Verdict:
         request = target_pb2.VerifyRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             draft_tokens=drafts,
             draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
             sampling=sampling_to_pb(params), seed=seed, cache_salt=cache_salt, top_logprobs=top_logprobs,
+            draft_parents=draft_parents or [],
         )
         response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready,
                                    stream=self.verify_stream)
@@ -159,7 +160,8 @@ class TargetClient(ServiceClient):
                 f"the target service at {self.address} returned no log-probabilities (it predates "
                 "top_logprobs): upgrade it, or leave top_logprobs unset")
         return Verdict(response.num_accepted, response.next_token, response.is_bonus,
-                       list(response.accept_probs), response.cached_len, response.restored_tokens, logprobs)
+                       list(response.accept_probs), response.cached_len, response.restored_tokens, logprobs,
+                       tuple(response.accepted_nodes))
 
     async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
         request = target_pb2.TargetServiceReleaseRequest(session_id=session_id)

@@ -164,9 +164,13 @@ class Verdict:
     cached_len: int = 0
     restored_tokens: int = 0  # history tokens whose K/V were loaded from chunks, not run
     logprobs: tuple[TokenLogprobs, ...] = ()  # per committed token, when the call asked for them
+    accepted_nodes: tuple[int, ...] = ()  # a tree's accepted nodes, root's child first (empty: a chain's prefix)
 
     def committed(self, draft_tokens: list[int]) -> list[int]:
-        """The tokens this round commits: accepted drafts plus the target's own token."""
+        """The tokens this round commits: accepted drafts (a tree's accepted path) plus the
+        target's own token."""
+        if self.accepted_nodes:
+            return [draft_tokens[node] for node in self.accepted_nodes] + [self.next_token]
         return list(draft_tokens[: self.num_accepted]) + [self.next_token]
 
 
@@ -184,3 +188,4 @@ class ModelDescription:
     device: str
     max_speculative_tokens: int
     cpu: CpuPlacement | None = None  # where its forwards run on a CPU (None: on an accelerator)
+    verifies_trees: bool = False  # a target that takes draft_parents (a tree of drafts) in Verify

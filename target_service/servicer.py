@@ -47,6 +47,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
             sampling_from_pb(request.sampling), request.seed, request.cache_salt,
             request.top_logprobs if request.HasField("top_logprobs") else None,
+            list(request.draft_parents),
         )
         verdict = await run_call(self.scheduler, self.verifier.runner, call, deadline)
         return target_pb2.VerifyResponse(
@@ -55,6 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             cached_len=verdict.cached_len,
             restored_tokens=verdict.restored_tokens,
             logprobs=[logprobs_to_pb(entry) for entry in verdict.logprobs],
+            accepted_nodes=verdict.accepted_nodes,
         )
 
     @map_errors

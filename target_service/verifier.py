@@ -15,6 +15,8 @@ from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.sampling import target_probs
+from specdec.tree import TokenTree
+from specdec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.types import SamplingParams, SparseDist, TokenLogprobs, Verdict, check_top_logprobs
 
 
@@ -32,6 +34,7 @@ class VerifyCall:
     seed: int
     cache_salt: str = ""  # mixed into its K/V chunk keys
     top_logprobs: int | None = None  # None: no log-probabilities; N: each emitted token's and N more
+    tree: TokenTree | None = None  # the drafts as a tree (None: a chain)
 
 
 class Verifier:
@@ -40,7 +43,8 @@ class Verifier:
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
              drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams, seed: int,
-             cache_salt: str = "", top_logprobs: int | None = None) -> VerifyCall:
+             cache_salt: str = "", top_logprobs: int | None = None,
+             draft_parents: Sequence[int] = ()) -> VerifyCall:
         """Validate a request without touching any cache (InvalidArgument naming what is wrong)."""
         runner = self.runner
         gamma = len(drafts)
@@ -52,11 +56,20 @@ class Verifier:
         runner.check_request(session_id, prefix_len, new_tokens, gamma)
         runner.check_token_ids(drafts, "draft_tokens")
         check_top_logprobs(top_logprobs)
+        tree = None
+        if draft_parents:
+            tree = TokenTree(tuple(drafts), tuple(draft_parents))
+            tree.check()
+            if tree.is_chain:
+                tree = None
+            elif not runner.verifies_trees:
+                raise InvalidArgument("this target service verifies chains only (its engine cannot mask a "
+                                      "tree): send draft_parents empty (see ModelInfo.verifies_trees)")
         draft_q = None
         if not params.greedy and gamma:
             draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size, runner.device)
         return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed,
-                          cache_salt, top_logprobs)
+                          cache_salt, top_logprobs, tree)
 
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[Verdict | Exception]:
         """Run on the model worker: roll each session back, ONE forward over every row's new
@@ -75,7 +88,7 @@ class Verifier:
                 results[index] = exc
                 continue
             started.append((index, entry))
-            rows.append(Row(call.session_id, entry, list(feed) + call.drafts, len(call.drafts) + 1))
+            rows.append(Row(call.session_id, entry, list(feed) + call.drafts, len(call.drafts) + 1, call.tree))
         try:
             logits = runner.forward_batch(rows) if rows else []  # per row [γ+1, vocab]
         except Exception as exc:  # noqa: BLE001 - every row of the forward failed with it
@@ -94,9 +107,30 @@ class Verifier:
         runner.finish([call.session_id for call in calls])
         return results
 
+    def _accept_tree(self, call: VerifyCall, tree: TokenTree, entry: SessionCache, logits: torch.Tensor) -> Verdict:
+        """The acceptance step over a tree (specdec/tree_acceptance.py); only the accepted path's
+        K/V stay, moved to the positions after the history. logits [1 + n, vocab]."""
+        if call.params.greedy:
+            verdict = accept_tree_greedy(tree, logits.argmax(dim=-1).tolist())
+        else:
+            generator = make_generator(call.seed, self.runner.device)
+            p = target_probs(logits, call.params)  # [1 + n, vocab]
+            verdict = accept_tree_sampled(tree, call.draft_q or DraftQ.from_dense(p[1:], list(tree.tokens)), p,
+                                          generator)
+        self.runner.keep_path(entry, len(entry) - len(tree), verdict.path)
+        logprobs: tuple[TokenLogprobs, ...] = ()
+        if call.top_logprobs is not None:
+            emitted = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+            rows = [0] + [node + 1 for node in verdict.path]  # where each emitted token was scored
+            logprobs = tuple(token_logprobs(logits[rows], emitted, call.top_logprobs))
+        return Verdict(len(verdict.path), verdict.next_token, verdict.is_bonus, [], len(entry),
+                       self.runner.take_restored(call.session_id), logprobs, tuple(verdict.path))
+
     def _accept(self, call: VerifyCall, entry: SessionCache, logits: torch.Tensor) -> Verdict:
         """The acceptance step of one row. logits [γ+1, vocab]; the cache holds the fed tokens +
         the drafts and is cropped after the last accepted draft."""
+        if call.tree is not None:
+            return self._accept_tree(call, call.tree, entry, logits)
         if call.params.greedy:
             verdict = accept_greedy(call.drafts, logits.argmax(dim=-1).tolist())
         else:

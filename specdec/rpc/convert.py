@@ -58,6 +58,7 @@ def model_info_to_pb(desc: ModelDescription) -> common_pb2.ModelInfo:
         max_speculative_tokens=desc.max_speculative_tokens,
         cpu=None if desc.cpu is None else common_pb2.CpuPlacement(
             boot_id=desc.cpu.boot_id, cores=sorted(desc.cpu.cores), threads=desc.cpu.threads),
+        verifies_trees=desc.verifies_trees,
     )
 
 
@@ -85,6 +86,7 @@ def model_info_from_pb(pb: common_pb2.ModelInfo) -> ModelDescription:
         device=pb.device,
         max_speculative_tokens=pb.max_speculative_tokens,
         cpu=_placement_from_pb(pb.cpu) if pb.HasField("cpu") else None,
+        verifies_trees=pb.verifies_trees,
     )
 
 

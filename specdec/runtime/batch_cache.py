@@ -82,6 +82,27 @@ def attention_mask(pasts: Sequence[int], lengths: Sequence[int], n: int, dtype: 
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def place_trees(mask: torch.Tensor, positions: torch.Tensor, pasts: Sequence[int], lengths: Sequence[int],
+                trees: Sequence[Any]) -> None:
+    """Make each row's tree nodes (its last len(tree) tokens) attend to the row's history, the
+    tokens before them and their own ancestors only, at the position of their depth after the
+    last token before them. mask [B, 1, n, K] (K = P + n, additive), positions [B, n]; in place."""
+    from specdec.tree import ancestor_mask
+
+    n, keys = positions.shape[1], mask.shape[-1]
+    blocked = torch.finfo(mask.dtype).min
+    for b, (past, length, tree) in enumerate(zip(pasts, lengths, trees)):
+        if tree is None or len(tree) == 0:
+            continue
+        m = len(tree)
+        sees = ancestor_mask(tree, mask.device)  # [m, m]
+        block = torch.zeros((m, m), dtype=mask.dtype, device=mask.device).masked_fill_(~sees, blocked)
+        mask[b, 0, n - m:, keys - m:] = block
+        root = past + length - m - 1  # the position of the token before the nodes
+        depths = torch.tensor(tree.depths(), dtype=positions.dtype, device=positions.device)  # [m]
+        positions[b, n - m:] = root + depths
+
+
 def position_ids(pasts: Sequence[int], lengths: Sequence[int], n: int, device: torch.device) -> torch.Tensor:
     """[B, n]: row b's real tokens at pasts[b], pasts[b] + 1, ...; padding at 0."""
     rows = [[0] * (n - length) + list(range(past, past + length)) for past, length in zip(pasts, lengths)]

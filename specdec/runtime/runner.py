@@ -9,6 +9,7 @@ worker task, so one long prompt does not hold the model for every other session.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -60,6 +61,7 @@ class ModelRunner(SessionRunner):
         self.kv_spec, why = batch_cache.buffered_spec(self.model, self.device, loaded.dtype)
         if self.kv_spec is not None and not self._batches_agree():
             self.kv_spec, why = None, "a batched forward of two sessions disagreed with running them alone"
+        self.description = dataclasses.replace(self.description, verifies_trees=self.verifies_trees)
         if self.kv_spec is None:
             log.warning("%s: per-session DynamicCache, no batched forwards (%s)", loaded.model_id, why)
         else:
@@ -98,6 +100,20 @@ class ModelRunner(SessionRunner):
             at += n
         if at != held + len(tokens):
             raise ValueError(f"{at - held} positions of chunks for {len(tokens)} tokens")
+        entry.append(tokens)
+
+    @property
+    def verifies_trees(self) -> bool:
+        return self.kv_spec is not None  # a tree needs its own mask: buffered forwards only
+
+    @torch.inference_mode()
+    def keep_path(self, entry: SessionCache, base: int, path: Sequence[int]) -> None:
+        data = entry.kv.data  # [layers, 2, kv_heads, capacity, head_dim]
+        for k, node in enumerate(path):  # nodes ascend, node >= k: no source is overwritten before use
+            if node != k:
+                data[:, :, :, base + k] = data[:, :, :, base + node]
+        tokens = [entry.tokens[base + node] for node in path]
+        entry.crop(base)
         entry.append(tokens)
 
     def new_entry(self) -> SessionCache:
@@ -155,13 +171,15 @@ class ModelRunner(SessionRunner):
             kv = batch_cache.gather(buffers, pasts, n, self.kv_spec)  # [layers, 2, B, heads, P+n, dim]
             cache = batch_cache.BufferCache(kv, max(pasts))
         keep = max(row.keep_logits for row in rows)
+        trees = [row.tree for row in rows]
+        positions = batch_cache.position_ids(pasts, lengths, n, self.device)  # [B, n]
+        mask = None  # one chain: the model's own causal mask over the buffer view (often none at all)
+        if kv is not None or any(trees):
+            mask = batch_cache.attention_mask(pasts, lengths, n, self.loaded.dtype, self.device)  # [B, 1, n, P+n]
+            batch_cache.place_trees(mask, positions, pasts, lengths, trees)
         out = self.model(
             input_ids=batch_cache.input_ids([row.tokens for row in rows], n, self.device),  # [B, n]
-            position_ids=batch_cache.position_ids(pasts, lengths, n, self.device),  # [B, n]
-            # one row: the model's own causal mask over the buffer view (often none at all)
-            attention_mask=None if kv is None else batch_cache.attention_mask(pasts, lengths, n, self.loaded.dtype,
-                                                                              self.device),
-            cache=cache, use_cache=True, logits_to_keep=keep)
+            position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
         if kv is not None:
             batch_cache.scatter(kv, buffers, pasts, lengths)
         logits = out.logits.float()  # [B, keep, vocab]

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 from specdec.errors import CacheMiss, InvalidArgument
 from specdec.logtag import session_tag
 from specdec.runtime.kv_cache import SessionCache, SessionCaches, common_prefix
+from specdec.tree import TokenTree
 from specdec.types import ModelDescription
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class Row:
     entry: SessionCache
     tokens: Sequence[int]
     keep_logits: int
+    tree: TokenTree | None = None  # the last len(tree) tokens are its nodes, each after its parent (None: a chain)
 
 
 class SessionRunner:
@@ -51,6 +53,16 @@ class SessionRunner:
 
     def new_entry(self) -> SessionCache:
         """An empty session cache of the kind this engine uses."""
+        raise NotImplementedError
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether forward_batch takes rows with a tree (and keep_path compacts one)."""
+        return False
+
+    def keep_path(self, entry: SessionCache, base: int, path: Sequence[int]) -> None:
+        """After a tree's forward: keep the session's first `base` tokens, then the tree nodes
+        `path` (node indices, ascending) moved to the positions right after them."""
         raise NotImplementedError
 
     def forward_batch(self, rows: Sequence[Row]) -> list:
