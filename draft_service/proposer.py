@@ -28,6 +28,8 @@ from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.sampling import proposal_top_k
 from specdec.types import Proposal, SamplingParams, SparseDist
 
+from draft_service.tree_proposer import grow_trees
+
 
 @dataclass(frozen=True)
 class ProposeCall:
@@ -44,6 +46,7 @@ class ProposeCall:
     min_confidence: float = 0.0  # stop after a drafted token the draft gave less probability (0 = off)
     uncommitted: int = 0  # trailing tokens of the history that are drafts not yet accepted (a call made ahead)
     cache_salt: str = ""  # mixed into its K/V chunk keys
+    tree_nodes: int = 0  # grow a tree of at most this many nodes, gamma deep (0: a chain)
 
 
 @dataclass
@@ -90,7 +93,8 @@ class ModelProposer:
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], gamma: int,
              params: SamplingParams, seed: int, hints: Sequence[int] = (),
-             min_confidence: float = 0.0, uncommitted: int = 0, cache_salt: str = "") -> ProposeCall:
+             min_confidence: float = 0.0, uncommitted: int = 0, cache_salt: str = "",
+             tree_nodes: int = 0) -> ProposeCall:
         """Validate a request without touching any cache."""
         limit = self.runner.description.max_speculative_tokens
         if not 0.0 <= min_confidence < 1.0:  # (NaN fails too)
@@ -100,13 +104,19 @@ class ModelProposer:
         if gamma + len(hints) > limit:
             raise InvalidArgument(f"num_speculative_tokens + hint_tokens must be at most {limit} (the "
                                   f"most draft tokens a call may return), got {gamma} + {len(hints)}")
+        if not 0 <= tree_nodes <= limit:
+            raise InvalidArgument(f"tree_nodes must be in [0, {limit}] (0: a chain), got {tree_nodes}")
+        if tree_nodes and hints:
+            raise InvalidArgument("hint_tokens go with a chain only: send them without tree_nodes")
+        if not self.runner.verifies_trees:
+            tree_nodes = 0  # this engine cannot mask a tree: it drafts a chain (the response has no parents)
         self.runner.check_token_ids(hints, "hint_tokens")
         self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1 + len(hints))
         if not 0 <= uncommitted <= prefix_len + len(new_tokens):
             raise InvalidArgument(f"uncommitted_tokens must be in [0, prefix_len + len(new_tokens)] = "
                                   f"[0, {prefix_len + len(new_tokens)}], got {uncommitted}")
         return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed, tuple(hints),
-                           min_confidence, uncommitted, cache_salt)
+                           min_confidence, uncommitted, cache_salt, tree_nodes)
 
     def _check_hints(self, drafting: _Drafting, logits: torch.Tensor) -> None:
         """The first step of a call with hints: logits [hints + 1, vocab], row i the draft's
@@ -176,6 +186,7 @@ class ModelProposer:
         live: list[_Drafting] = []
         rows: list[Row] = []
         started: list[tuple[ProposeCall, SessionCache]] = []
+        trees: list[tuple[int, SessionCache, Sequence[int], ProposeCall]] = []  # calls that grow a tree
         for index, call in enumerate(calls):
             try:
                 entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens,
@@ -183,8 +194,11 @@ class ModelProposer:
             except Exception as exc:  # noqa: BLE001 - this call's error, not the batch's
                 results[index] = exc
                 continue
-            live.append(_Drafting(index, call, entry, make_generator(call.seed, runner.device)))
             started.append((call, entry))
+            if call.tree_nodes:
+                trees.append((index, entry, feed, call))
+                continue
+            live.append(_Drafting(index, call, entry, make_generator(call.seed, runner.device)))
             rows.append(Row(call.session_id, entry, [*feed, *call.hints], 1 + len(call.hints)))
         while live:
             try:
@@ -215,6 +229,8 @@ class ModelProposer:
                                                        runner.take_restored(drafting.call.session_id))
             live = still
             rows = [Row(d.call.session_id, d.entry, d.tokens[-1:], 1) for d in live]
+        if trees:
+            grow_trees(runner, trees, results)
         for call, entry in started:  # its history is committed; a call made ahead's last ones are not
             runner.keep_committed(entry, call.prefix_len + len(call.new_tokens) - call.uncommitted, call.cache_salt)
         runner.finish([call.session_id for call in calls])

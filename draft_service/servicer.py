@@ -46,7 +46,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
             list(request.hint_tokens), request.min_confidence, request.uncommitted_tokens,
-            request.cache_salt,
+            request.cache_salt, request.tree_nodes,
         )
         proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline)
         return draft_pb2.ProposeResponse(
@@ -55,6 +55,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             cached_len=proposal.cached_len,
             num_hint_tokens_kept=proposal.hints_kept,
             restored_tokens=proposal.restored_tokens,
+            draft_parents=proposal.parents,
         )
 
     @map_errors

@@ -132,6 +132,7 @@ class Proposal:
     cached_len: int = 0
     hints_kept: int = 0  # leading draft tokens that are hints the draft agreed with
     restored_tokens: int = 0  # history tokens whose K/V were loaded from chunks, not run
+    parents: tuple[int, ...] = ()  # the drafts as a tree: each one's parent, as on the wire (): a chain
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)

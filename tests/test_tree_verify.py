@@ -165,3 +165,18 @@ def test_verify_over_grpc_takes_a_tree(models):
                                                  draft_parents=[1, 0], sampling=greedy))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "draft_parents[0] is 1" in err.value.details()
+
+
+@pytest.mark.unit
+def test_a_tree_grown_depth_by_depth_sees_only_its_ancestors(runner):
+    """The draft's way: one forward per depth, the earlier depths already in the cache."""
+    entry = prefill(runner, "d", HISTORY)
+    runner.forward_batch([Row("d", entry, [HISTORY[-1], *TREE.tokens[:2]], 3, TokenTree(TREE.tokens[:2],
+                                                                                       TREE.parents[:2]))])
+    depth2 = TokenTree(TREE.tokens[:5], TREE.parents[:5])
+    [logits] = runner.forward_batch([Row("d", entry, list(TREE.tokens[2:5]), 3, depth2)])  # nodes 2, 3, 4
+    for k, node in enumerate((2, 3, 4)):
+        path = [TREE.tokens[i] for i in TREE.path(node)]
+        torch.testing.assert_close(logits[k], alone(runner, HISTORY + path), msg=f"node {node}")
+    [logits] = runner.forward_batch([Row("d", entry, [TREE.tokens[5]], 1, TREE)])
+    torch.testing.assert_close(logits[0], alone(runner, HISTORY + [11, 13, 16]))  # node 5, under node 2

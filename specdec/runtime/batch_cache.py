@@ -84,23 +84,30 @@ def attention_mask(pasts: Sequence[int], lengths: Sequence[int], n: int, dtype: 
 
 def place_trees(mask: torch.Tensor, positions: torch.Tensor, pasts: Sequence[int], lengths: Sequence[int],
                 trees: Sequence[Any]) -> None:
-    """Make each row's tree nodes (its last len(tree) tokens) attend to the row's history, the
-    tokens before them and their own ancestors only, at the position of their depth after the
-    last token before them. mask [B, 1, n, K] (K = P + n, additive), positions [B, n]; in place."""
+    """Make each row's tree nodes attend to the history before the tree and to their own
+    ancestors only, each at the position of its depth after the token before the tree. A row's
+    tree is the last len(tree) tokens of its session once this forward has run: new ones (its
+    last tokens) and, when a tree grows depth by depth, nodes already cached (the history's last
+    tokens). mask [B, 1, n, P + n] (additive), positions [B, n]; in place."""
     from specdec.tree import ancestor_mask
 
     n, keys = positions.shape[1], mask.shape[-1]
+    P = keys - n
     blocked = torch.finfo(mask.dtype).min
     for b, (past, length, tree) in enumerate(zip(pasts, lengths, trees)):
         if tree is None or len(tree) == 0:
             continue
         m = len(tree)
-        sees = ancestor_mask(tree, mask.device)  # [m, m]
-        block = torch.zeros((m, m), dtype=mask.dtype, device=mask.device).masked_fill_(~sees, blocked)
-        mask[b, 0, n - m:, keys - m:] = block
-        root = past + length - m - 1  # the position of the token before the nodes
-        depths = torch.tensor(tree.depths(), dtype=positions.dtype, device=positions.device)  # [m]
-        positions[b, n - m:] = root + depths
+        new = min(m, length)  # nodes run now (the row's last tokens)
+        cached = m - new      # nodes the session holds already (its history's last tokens)
+        sees = ancestor_mask(tree, mask.device)[cached:]  # [new, m]: the new nodes' rows
+        block = torch.zeros(sees.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~sees, blocked)
+        mask[b, 0, n - new:, keys - new:] = block[:, cached:]
+        if cached:
+            mask[b, 0, n - new:, P - cached:P] = block[:, :cached]
+        root = past + length - m - 1  # the position of the token before the tree
+        depths = torch.tensor(tree.depths()[cached:], dtype=positions.dtype, device=positions.device)  # [new]
+        positions[b, n - new:] = root + depths
 
 
 def position_ids(pasts: Sequence[int], lengths: Sequence[int], n: int, device: torch.device) -> torch.Tensor:

@@ -29,7 +29,7 @@ class Row:
     entry: SessionCache
     tokens: Sequence[int]
     keep_logits: int
-    tree: TokenTree | None = None  # the last len(tree) tokens are its nodes, each after its parent (None: a chain)
+    tree: TokenTree | None = None  # the session's last len(tree) tokens after this forward (None: a chain)
 
 
 class SessionRunner:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"a\n\x1f\x44raftServiceGetModelInfoRequest\x12#\n\x16\x66ingerprint_vocab_size\x18\x01 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_fingerprint_vocab_size\"G\n DraftServiceGetModelInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\x9a\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x13\n\x0bprefix_hash\x18\x07 \x01(\x04\x12\x13\n\x0bhint_tokens\x18\x08 \x03(\x05\x12\x16\n\x0emin_confidence\x18\t \x01(\x02\x12\x1a\n\x12uncommitted_tokens\x18\n \x01(\x05\x12\x12\n\ncache_salt\x18\x0b \x01(\t\"\xa7\x01\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\ncached_len\x18\x03 \x01(\x05\x12\x1c\n\x14num_hint_tokens_kept\x18\x04 \x01(\x05\x12\x17\n\x0frestored_tokens\x18\x05 \x01(\x05\"h\n\x14ProposeStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ProposeRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\x92\x01\n\x15ProposeStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.ProposeResponseH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.StreamCallErrorH\x00\x42\t\n\x07outcome\"0\n\x1a\x44raftServiceReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"/\n\x1b\x44raftServiceReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf3\x02\n\x0c\x44raftService\x12i\n\x0cGetModelInfo\x12+.specdec.v1.DraftServiceGetModelInfoRequest\x1a,.specdec.v1.DraftServiceGetModelInfoResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12X\n\rProposeStream\x12 .specdec.v1.ProposeStreamRequest\x1a!.specdec.v1.ProposeStreamResponse(\x01\x30\x01\x12Z\n\x07Release\x12&.specdec.v1.DraftServiceReleaseRequest\x1a\'.specdec.v1.DraftServiceReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"a\n\x1f\x44raftServiceGetModelInfoRequest\x12#\n\x16\x66ingerprint_vocab_size\x18\x01 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_fingerprint_vocab_size\"G\n DraftServiceGetModelInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\xae\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x13\n\x0bprefix_hash\x18\x07 \x01(\x04\x12\x13\n\x0bhint_tokens\x18\x08 \x03(\x05\x12\x16\n\x0emin_confidence\x18\t \x01(\x02\x12\x1a\n\x12uncommitted_tokens\x18\n \x01(\x05\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x12\n\ntree_nodes\x18\x0c \x01(\x05\"\xbe\x01\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\ncached_len\x18\x03 \x01(\x05\x12\x1c\n\x14num_hint_tokens_kept\x18\x04 \x01(\x05\x12\x17\n\x0frestored_tokens\x18\x05 \x01(\x05\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\"h\n\x14ProposeStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ProposeRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\x92\x01\n\x15ProposeStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.ProposeResponseH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.StreamCallErrorH\x00\x42\t\n\x07outcome\"0\n\x1a\x44raftServiceReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"/\n\x1b\x44raftServiceReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf3\x02\n\x0c\x44raftService\x12i\n\x0cGetModelInfo\x12+.specdec.v1.DraftServiceGetModelInfoRequest\x1a,.specdec.v1.DraftServiceGetModelInfoResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12X\n\rProposeStream\x12 .specdec.v1.ProposeStreamRequest\x1a!.specdec.v1.ProposeStreamResponse(\x01\x30\x01\x12Z\n\x07Release\x12&.specdec.v1.DraftServiceReleaseRequest\x1a\'.specdec.v1.DraftServiceReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSERVICEGETMODELINFORESPONSE']._serialized_start=162
   _globals['_DRAFTSERVICEGETMODELINFORESPONSE']._serialized_end=233
   _globals['_PROPOSEREQUEST']._serialized_start=236
-  _globals['_PROPOSEREQUEST']._serialized_end=518
-  _globals['_PROPOSERESPONSE']._serialized_start=521
-  _globals['_PROPOSERESPONSE']._serialized_end=688
-  _globals['_PROPOSESTREAMREQUEST']._serialized_start=690
-  _globals['_PROPOSESTREAMREQUEST']._serialized_end=794
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=797
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=943
-  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_start=945
-  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_end=993
-  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_start=995
-  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_end=1042
-  _globals['_DRAFTSERVICE']._serialized_start=1045
-  _globals['_DRAFTSERVICE']._serialized_end=1416
+  _globals['_PROPOSEREQUEST']._serialized_end=538
+  _globals['_PROPOSERESPONSE']._serialized_start=541
+  _globals['_PROPOSERESPONSE']._serialized_end=731
+  _globals['_PROPOSESTREAMREQUEST']._serialized_start=733
+  _globals['_PROPOSESTREAMREQUEST']._serialized_end=837
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=840
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=986
+  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_start=988
+  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_end=1036
+  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_start=1038
+  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_end=1085
+  _globals['_DRAFTSERVICE']._serialized_start=1088
+  _globals['_DRAFTSERVICE']._serialized_end=1459
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ class DraftServiceGetModelInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash", "hint_tokens", "min_confidence", "uncommitted_tokens", "cache_salt")
+    __slots__ = ("session_id", "prefix_len", "new_tokens", "num_speculative_tokens", "sampling", "seed", "prefix_hash", "hint_tokens", "min_confidence", "uncommitted_tokens", "cache_salt", "tree_nodes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class ProposeRequest(_message.Message):
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     UNCOMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -43,21 +44,24 @@ class ProposeRequest(_message.Message):
     min_confidence: float
     uncommitted_tokens: int
     cache_salt: str
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., hint_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., uncommitted_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., hint_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., uncommitted_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_tokens", "draft_probs", "cached_len", "num_hint_tokens_kept", "restored_tokens")
+    __slots__ = ("draft_tokens", "draft_probs", "cached_len", "num_hint_tokens_kept", "restored_tokens", "draft_parents")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_HINT_TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
     RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     cached_len: int
     num_hint_tokens_kept: int
     restored_tokens: int
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., num_hint_tokens_kept: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., num_hint_tokens_kept: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeStreamRequest(_message.Message):
     __slots__ = ("call_id", "request", "timeout_ms")
