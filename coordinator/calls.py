@@ -38,19 +38,21 @@ class SessionCalls:
         self.config = config
 
     async def propose(self, run: RequestRun, gamma: int, params: SamplingParams, seed: int,
-                      hints: list[int] | None = None, min_confidence: float = 0.0) -> Proposal:
+                      hints: list[int] | None = None, min_confidence: float = 0.0,
+                      tree_nodes: int = 0) -> Proposal:
         sid = run.record.session_id
         return await self._with_resend(run, Tier.DRAFT, lambda draft, prefix, new_tokens: draft.propose(
             sid, prefix, run.hashes.at(prefix), new_tokens, gamma, params, seed,
             timeout_s=self.config.draft_timeout_s, hints=hints, min_confidence=min_confidence,
-            cache_salt=run.cache_salt))
+            cache_salt=run.cache_salt, tree_nodes=tree_nodes))
 
     async def verify(self, run: RequestRun, drafts: list[int], proposal: Proposal, params: SamplingParams,
                      seed: int) -> Verdict:
         sid = run.record.session_id
         return await self._with_resend(run, Tier.TARGET, lambda target, prefix, new_tokens: target.verify(
             sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed,
-            wait_for_ready=False, cache_salt=run.cache_salt, top_logprobs=run.top_logprobs),
+            wait_for_ready=False, cache_salt=run.cache_salt, top_logprobs=run.top_logprobs,
+            draft_parents=list(proposal.parents)),
             retry_s=self.config.target_retry_s)
 
     async def _with_resend(self, run: RequestRun, tier: Tier, call: Call, retry_s: float = 0.0) -> Any:

@@ -104,18 +104,20 @@ class DraftClient(ServiceClient):
     async def propose(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                       gamma: int, params: SamplingParams, seed: int, timeout_s: float | None = None,
                       hints: list[int] | None = None, min_confidence: float = 0.0,
-                      uncommitted: int = 0, cache_salt: str = "") -> Proposal:
+                      uncommitted: int = 0, cache_salt: str = "", tree_nodes: int = 0) -> Proposal:
         """Fails fast (no waiting for a connection): a missing draft makes the round target-only.
         uncommitted: the history's last tokens that are drafts (a call made ahead)."""
         request = draft_pb2.ProposeRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             num_speculative_tokens=gamma, sampling=sampling_to_pb(params), seed=seed, hint_tokens=hints,
             min_confidence=min_confidence, uncommitted_tokens=uncommitted, cache_salt=cache_salt,
+            tree_nodes=tree_nodes,
         )
         response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False,
                                    stream=self.propose_stream)
         return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
-                        response.cached_len, response.num_hint_tokens_kept, response.restored_tokens)
+                        response.cached_len, response.num_hint_tokens_kept, response.restored_tokens,
+                        tuple(response.draft_parents))
 
     async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
         request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)

@@ -22,6 +22,7 @@ from specdec.fingerprint import PrefixHashes
 from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
+from specdec.tree import TokenTree
 from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs
 
 from coordinator.calls import SessionCalls
@@ -162,7 +163,8 @@ class Engine:
                    added: list[int], max_new: int, mode: SpeculationMode) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
         run = RequestRun(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids),
-                         cache_salt=request.cache_salt, top_logprobs=request.top_logprobs)
+                         cache_salt=request.cache_salt, top_logprobs=request.top_logprobs,
+                         tree_nodes=request.tree_nodes if self.target_info.verifies_trees else 0)
         run.commit(added)
         record.requests += 1
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here
@@ -249,7 +251,10 @@ class Engine:
     @staticmethod
     def _observe_policy(spec: RequestSpeculation, result: RoundResult) -> None:
         """Feed a finished round to the request's policy."""
-        spec.observe(result.source, len(result.drafts), result.verdict.num_accepted,
+        proposed = len(result.drafts)
+        if result.parents:  # a tree is priced as the chain of its depth: no accepted path is longer
+            proposed = max(TokenTree(tuple(result.drafts), result.parents).depths())
+        spec.observe(result.source, proposed, result.verdict.num_accepted,
                      propose_seconds=result.propose_seconds,
                      verify_seconds=result.verify_seconds if result.verified_tokens else None,
                      verified_tokens=result.verified_tokens or len(result.drafts) + 1,
@@ -326,4 +331,5 @@ class Engine:
             plan=rnd.plan, verdict=verdict, drafts=tokens, source=drafts.source,
             propose_seconds=drafts.propose_seconds, call_seconds=drafts.call_seconds, verify_seconds=verify_s,
             verified_tokens=verified, started=rnd.started, hints_kept=proposal.hints_kept,
-            batch_tokens=batch_tokens, ahead=rnd.ahead, seconds=time.perf_counter() - rnd.started)
+            batch_tokens=batch_tokens, ahead=rnd.ahead, seconds=time.perf_counter() - rnd.started,
+            parents=proposal.parents)

@@ -243,7 +243,8 @@ class OpenAIApi:
                 top_k=body.top_k or 0, top_p=SamplingParams.top_p if body.top_p is None else body.top_p),
             seed=body.seed, max_new_tokens=max_tokens, num_speculative_tokens=body.num_speculative_tokens,
             stop=stop, ignore_eos=body.ignore_eos, proposer=Proposer(body.proposer) if body.proposer else None,
-            cache_salt=body.cache_salt, top_logprobs=body.top_logprobs_asked(), **inputs)
+            cache_salt=body.cache_salt, top_logprobs=body.top_logprobs_asked(), tree_nodes=body.tree_nodes,
+            **inputs)
 
     @staticmethod
     def prompt_input(prompt: Any) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class RequestRun:
     predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
     cache_salt: str = ""  # the request's: mixed into the services' K/V chunk keys
     top_logprobs: int | None = None  # the request's: None, or the alternatives per token the target returns
+    tree_nodes: int = 0  # draft rounds grow a tree of at most this many nodes (0: chains)
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)
@@ -97,6 +98,7 @@ class RoundResult:
     batch_tokens: int = 0              # tokens verified across this coordinator's generations meanwhile
     ahead: DraftAhead | None = None    # a draft round's --draft-ahead mode (None: not the trial's)
     seconds: float = 0.0               # the round's own time: plan, propose, verify (not the store write)
+    parents: tuple[int, ...] = ()      # the drafts as a tree (as on the wire); (): a chain
 
 
 @dataclass

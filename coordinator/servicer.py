@@ -51,6 +51,7 @@ def request_from_pb(pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
         proposer=proposer_from_pb(pb.proposer),
         cache_salt=pb.cache_salt,
         top_logprobs=pb.top_logprobs if pb.HasField("top_logprobs") else None,
+        tree_nodes=pb.tree_nodes,
     )
 
 

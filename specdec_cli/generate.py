@@ -38,6 +38,9 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
                      help="where proposed tokens come from: auto (per round, prompt lookup or the draft "
                           "model), draft, ngram (prompt lookup), none; unset = the coordinator's default "
                           "(env SPECDEC_GENERATE_PROPOSER)")
+    gen.add_argument("--tree-nodes", type=int, default=env_default("generate", "tree_nodes", 0),
+                     help="draft-model rounds propose a tree of at most this many tokens, --gamma deep; "
+                          "0 = chains (env SPECDEC_GENERATE_TREE_NODES)")
     gen.add_argument("--session", default=env_default("generate", "session", ""),
                      help="continue this session (env SPECDEC_GENERATE_SESSION)")
     gen.add_argument("--cache-salt", default=env_default("generate", "cache_salt", ""),
@@ -86,7 +89,8 @@ def build_request(args: argparse.Namespace) -> Any:
         sampling.seed = args.seed
     request = coordinator_pb2.GenerateRequest(session_id=args.session, sampling=sampling,
                                               max_new_tokens=args.max_new_tokens, stop=args.stop,
-                                              ignore_eos=args.ignore_eos, cache_salt=args.cache_salt)
+                                              ignore_eos=args.ignore_eos, cache_salt=args.cache_salt,
+                                              tree_nodes=args.tree_nodes)
     if args.chat:
         request.messages.messages.append(coordinator_pb2.ChatMessage(role="user", content=args.prompt))
     else:

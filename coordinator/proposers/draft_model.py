@@ -58,9 +58,11 @@ class DraftModel(ProposalSource):
         lacking, misses = rnd.base - min(record.draft.held, rnd.base - 1), stats.cache_misses
         t0 = time.perf_counter()
         proposal = None
+        tree_nodes = run.tree_nodes if run.tree_nodes > 1 else 0  # one node is a chain
         try:
-            proposal = await self.calls.propose(run, plan.gamma, rnd.params, rnd.draft_seed, plan.tokens,
-                                                plan.min_confidence)
+            proposal = await self.calls.propose(run, plan.gamma, rnd.params, rnd.draft_seed,
+                                                None if tree_nodes else plan.tokens,  # hints go with chains
+                                                0.0 if tree_nodes else plan.min_confidence, tree_nodes)
         except DRAFT_FAILURES as exc:
             self.routes.failed(Tier.DRAFT, record.draft.address)  # its sessions move
             stats.fallback_rounds += 1
@@ -77,7 +79,7 @@ class DraftModel(ProposalSource):
         if rnd.plan.source != Proposer.DRAFT:
             rnd.run.predrafted = None  # drafts made ahead continue a draft round only
             return self._prefetch(rnd)
-        if drafts.source != Proposer.DRAFT:
+        if drafts.source != Proposer.DRAFT or drafts.proposal.parents:  # a tree's next round is not a chain's
             return None
         rnd.ahead = self._ahead_mode(rnd)
         if rnd.ahead != DraftAhead.ON:
@@ -88,7 +90,9 @@ class DraftModel(ProposalSource):
 
     def observe(self, rnd: Round, drafts: Drafts, verdict: Verdict) -> None:
         """The draft fed d1..dγ-1: those the target accepted are committed."""
-        if drafts.source == Proposer.DRAFT:
+        if drafts.source == Proposer.DRAFT and drafts.proposal.parents:
+            rnd.run.record.hold(Tier.DRAFT, rnd.base)  # a tree's draft keeps the history only
+        elif drafts.source == Proposer.DRAFT:
             k = len(drafts.proposal.draft_tokens)
             rnd.run.record.hold(Tier.DRAFT, rnd.base + min(verdict.num_accepted, k - 1))
 

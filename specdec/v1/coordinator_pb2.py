@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\xc1\x03\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12&\n\x08proposer\x18\n \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x19\n\x0ctop_logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x19\n\x17_num_speculative_tokensB\x0f\n\r_top_logprobs\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"?\n\x0f\x43ompleteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerateRequest\"\xd1\x01\n\x10\x43ompleteResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa1\x01\n\x12GetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08requests\x18\x03 \x01(\x05\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12\x12\n\nupdated_at\x18\x06 \x01(\x01\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08*r\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x11\n\rPROPOSER_AUTO\x10\x01\x12\x12\n\x0ePROPOSER_DRAFT\x10\x02\x12\x12\n\x0ePROPOSER_NGRAM\x10\x03\x12\x11\n\rPROPOSER_NONE\x10\x04\x32\xc0\x02\n\x0b\x43oordinator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.CompleteRequest\x1a\x1c.specdec.v1.CompleteResponse\x12K\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x1e.specdec.v1.GetSessionResponse\x12T\n\rDeleteSession\x12 .specdec.v1.DeleteSessionRequest\x1a!.specdec.v1.DeleteSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\xd5\x03\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12&\n\x08proposer\x18\n \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x19\n\x0ctop_logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x12\x12\n\ntree_nodes\x18\r \x01(\x05\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x19\n\x17_num_speculative_tokensB\x0f\n\r_top_logprobs\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"?\n\x0f\x43ompleteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerateRequest\"\xd1\x01\n\x10\x43ompleteResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa1\x01\n\x12GetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08requests\x18\x03 \x01(\x05\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12\x12\n\nupdated_at\x18\x06 \x01(\x01\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08*r\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x11\n\rPROPOSER_AUTO\x10\x01\x12\x12\n\x0ePROPOSER_DRAFT\x10\x02\x12\x12\n\x0ePROPOSER_NGRAM\x10\x03\x12\x11\n\rPROPOSER_NONE\x10\x04\x32\xc0\x02\n\x0b\x43oordinator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.CompleteRequest\x1a\x1c.specdec.v1.CompleteResponse\x12K\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x1e.specdec.v1.GetSessionResponse\x12T\n\rDeleteSession\x12 .specdec.v1.DeleteSessionRequest\x1a!.specdec.v1.DeleteSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSER']._serialized_start=1431
-  _globals['_PROPOSER']._serialized_end=1545
+  _globals['_PROPOSER']._serialized_start=1451
+  _globals['_PROPOSER']._serialized_end=1565
   _globals['_TOKENIDS']._serialized_start=69
   _globals['_TOKENIDS']._serialized_end=92
   _globals['_CHATMESSAGE']._serialized_start=94
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=140
   _globals['_CHATMESSAGES']._serialized_end=197
   _globals['_GENERATEREQUEST']._serialized_start=200
-  _globals['_GENERATEREQUEST']._serialized_end=649
-  _globals['_GENERATERESPONSE']._serialized_start=652
-  _globals['_GENERATERESPONSE']._serialized_end=861
-  _globals['_COMPLETEREQUEST']._serialized_start=863
-  _globals['_COMPLETEREQUEST']._serialized_end=926
-  _globals['_COMPLETERESPONSE']._serialized_start=929
-  _globals['_COMPLETERESPONSE']._serialized_end=1138
-  _globals['_GETSESSIONREQUEST']._serialized_start=1140
-  _globals['_GETSESSIONREQUEST']._serialized_end=1179
-  _globals['_GETSESSIONRESPONSE']._serialized_start=1182
-  _globals['_GETSESSIONRESPONSE']._serialized_end=1343
-  _globals['_DELETESESSIONREQUEST']._serialized_start=1345
-  _globals['_DELETESESSIONREQUEST']._serialized_end=1387
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=1389
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=1429
-  _globals['_COORDINATOR']._serialized_start=1548
-  _globals['_COORDINATOR']._serialized_end=1868
+  _globals['_GENERATEREQUEST']._serialized_end=669
+  _globals['_GENERATERESPONSE']._serialized_start=672
+  _globals['_GENERATERESPONSE']._serialized_end=881
+  _globals['_COMPLETEREQUEST']._serialized_start=883
+  _globals['_COMPLETEREQUEST']._serialized_end=946
+  _globals['_COMPLETERESPONSE']._serialized_start=949
+  _globals['_COMPLETERESPONSE']._serialized_end=1158
+  _globals['_GETSESSIONREQUEST']._serialized_start=1160
+  _globals['_GETSESSIONREQUEST']._serialized_end=1199
+  _globals['_GETSESSIONRESPONSE']._serialized_start=1202
+  _globals['_GETSESSIONRESPONSE']._serialized_end=1363
+  _globals['_DELETESESSIONREQUEST']._serialized_start=1365
+  _globals['_DELETESESSIONREQUEST']._serialized_end=1407
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=1409
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=1449
+  _globals['_COORDINATOR']._serialized_start=1568
+  _globals['_COORDINATOR']._serialized_end=1888
 # @@protoc_insertion_point(module_scope)

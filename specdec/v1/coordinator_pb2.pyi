@@ -42,7 +42,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "token_ids", "messages", "sampling", "max_new_tokens", "num_speculative_tokens", "stop", "ignore_eos", "proposer", "cache_salt", "top_logprobs")
+    __slots__ = ("session_id", "prompt", "token_ids", "messages", "sampling", "max_new_tokens", "num_speculative_tokens", "stop", "ignore_eos", "proposer", "cache_salt", "top_logprobs", "tree_nodes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class GenerateRequest(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     token_ids: TokenIds
@@ -67,7 +68,8 @@ class GenerateRequest(_message.Message):
     proposer: Proposer
     cache_salt: str
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "text", "token_ids", "finish_reason", "stats", "logprobs")

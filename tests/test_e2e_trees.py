@@ -1,0 +1,107 @@
+"""End to end with token trees: draft-model rounds propose trees (tree_nodes) that the target
+verifies in one pass; greedy output is the target's own token for token (float64, concurrent
+sessions of different tree shapes), sampled output follows the target's distribution, and a
+target that verifies chains only gets chains."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from specdec.types import SamplingParams
+from specdec.v1 import coordinator_pb2
+from tests.cluster import Cluster
+from tests.test_e2e_greedy import PROMPTS, reference
+from tests.test_e2e_sampling import PROMPT_IDS, exact_first_two
+from tests.test_sampling import chi2_pvalue
+
+pytestmark = pytest.mark.e2e
+
+NEW_TOKENS = 24
+SHAPES = [(2, 4), (3, 6), (4, 8), (2, 2)]  # (γ: the tree's depth, tree_nodes)
+
+
+@pytest.mark.parametrize("draft_kind", ["unrelated", "identical"])
+def test_greedy_trees_equal_target_only(models, draft_kind):
+    target = models["llama"]["target"]
+    draft = models["llama"]["draft"] if draft_kind == "unrelated" else target
+    expected = reference(target, PROMPTS, NEW_TOKENS)
+    with Cluster(draft, target) as cluster:
+        results: dict[tuple[str, tuple[int, int]], coordinator_pb2.CompleteResponse] = {}
+        errors: list[BaseException] = []
+
+        def run(prompt: str, shape: tuple[int, int]) -> None:
+            try:
+                results[prompt, shape] = cluster.complete(
+                    prompt=prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=shape[0], tree_nodes=shape[1],
+                    ignore_eos=True, proposer=coordinator_pb2.PROPOSER_DRAFT)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        # every prompt with every shape, all at once: the target batches trees of different shapes
+        threads = [threading.Thread(target=run, args=(p, s)) for p in PROMPTS for s in SHAPES]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert not errors, errors
+        for (prompt, shape), response in results.items():
+            assert list(response.token_ids) == expected[prompt], (draft_kind, prompt, shape)
+            stats = response.stats
+            assert stats.draft_rounds > 0 and stats.draft_tokens > 0
+            if draft_kind == "identical":  # the draft's best path is the target's: depth + 1 per round
+                assert stats.accepted_tokens >= stats.draft_rounds * min(shape) - shape[0], (prompt, shape)
+        assert len(results) == len(PROMPTS) * len(SHAPES)
+
+
+SAMPLES = 800
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.4, top_k=5),
+                                    SamplingParams(temperature=1.0, top_p=0.85)], ids=["t0.7", "t1.4-topk", "topp"])
+def test_sampled_trees_follow_the_target_distribution(small_vocab_models, params):
+    p1, p2 = exact_first_two(small_vocab_models["target"], params)
+    vocab = len(p1)
+    counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
+    accepted = 0
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"]) as cluster:
+        for seed in range(SAMPLES):
+            response = cluster.complete(
+                token_ids=PROMPT_IDS, max_new_tokens=2, num_speculative_tokens=2, tree_nodes=4,
+                temperature=params.temperature, top_k=params.top_k or None,
+                top_p=params.top_p if params.top_p < 1 else None, seed=seed, ignore_eos=True,
+                proposer=coordinator_pb2.PROPOSER_DRAFT)
+            first, second = response.token_ids
+            counts1[first] += 1
+            counts2[second] += 1
+            accepted += response.stats.accepted_tokens
+    assert 0 < accepted < 2 * SAMPLES
+    for counts, probs in ((counts1, p1), (counts2, p2)):
+        support = probs > 1e-9
+        assert counts[~support].sum() == 0, "a token outside the warped support was produced"
+        assert chi2_pvalue(counts[support], probs[support]) > 1e-3, (counts, probs * SAMPLES)
+
+
+def test_a_target_that_verifies_chains_only_gets_chains(models):
+    target = models["llama"]["target"]
+    expected = reference(target, PROMPTS[:2], NEW_TOKENS)
+    with Cluster(models["llama"]["draft"], target) as cluster:
+        engine = cluster.coordinator.engine
+        engine.target_info = dataclasses.replace(engine.target_info, verifies_trees=False)  # as an older target
+        seen: list[int] = []
+        verify = cluster.target_servicer.verify
+
+        async def watched(request, deadline):
+            seen.append(len(request.draft_parents))
+            return await verify(request, deadline)
+
+        cluster.target_servicer.verify = watched
+        for prompt in PROMPTS[:2]:
+            response = cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=3,
+                                        tree_nodes=6, ignore_eos=True, proposer=coordinator_pb2.PROPOSER_DRAFT)
+            assert list(response.token_ids) == expected[prompt]
+            assert response.stats.draft_rounds > 0
+        assert seen and not any(seen)  # no call carried a tree
