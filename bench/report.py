@@ -13,6 +13,7 @@ TARGET_ONLY = "specdec target-only"
 AUTO = "specdec auto"
 LOOKUP = "specdec prompt lookup"
 DRAFT_PREFIX = "specdec draft γ="
+TREE_PREFIX = "specdec tree γ="  # "specdec tree γ=4 n=8": draft rounds of a tree of 8 tokens, 4 deep
 HF_PREFIX = "hf "
 LLAMA_SERVER_PREFIX = "llama-server "
 # the peer families a method of specdec is compared with: family -> its methods' prefix
@@ -149,9 +150,30 @@ def table(prompts: list[dict], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
+def passes_table(prompts: list[dict], methods: list[str]) -> str:
+    """Per prompt, tokens committed per target pass (generated tokens over rounds) of each
+    speculating specdec method: what a tree adds over a chain of its depth, pass for pass."""
+    ours = [m for m in methods if m.startswith(("specdec ",)) and m != TARGET_ONLY]
+    short = {m: _short(m) for m in ours}
+    lines = [f"{'tokens per target pass':<22} " + " ".join(f"{s:>8}" for s in short.values())]
+    for p in prompts:
+        cells = []
+        for m in ours:
+            stats = p["runs"].get(m, {}).get("stats")
+            cells.append(f"{stats['tokens_per_round']:>8.2f}" if stats else f"{'-':>8}")
+        lines.append(f"{p['name']:<22} " + " ".join(cells))
+    medians = []
+    for m in ours:
+        values = sorted(p["runs"][m]["stats"]["tokens_per_round"] for p in prompts if "stats" in p["runs"].get(m, {}))
+        medians.append(f"{values[len(values) // 2]:>8.2f}" if values else f"{'-':>8}")
+    lines.append(f"{'median':<22} " + " ".join(medians))
+    return "\n".join(lines)
+
+
 def _short(method: str) -> str:
     return (method.replace("specdec ", "").replace("prompt lookup", "lookup").replace("assisted", "asst")
-            .replace("hf ", "hf:").replace(LLAMA_SERVER_PREFIX, "ls:").replace("draft γ=", "d"))[:8]
+            .replace("hf ", "hf:").replace(LLAMA_SERVER_PREFIX, "ls:").replace("draft γ=", "d")
+            .replace("tree γ=", "t").replace(" n=", "n"))[:8]
 
 
 def plot(prompts: list[dict], methods: list[str], path: Path) -> bool:

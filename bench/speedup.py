@@ -6,6 +6,7 @@ Usage:
   python bench/speedup.py --tiny --quick                   # a tiny random pair: a smoke run
   python bench/speedup.py --threads 1 --draft-ahead on     # draft and target on a core each
   python bench/speedup.py --no-hf --draft-model D.gguf --target-model T.gguf --llama-server PATH
+  python bench/speedup.py --tree on                        # token-tree rows beside the chains
 
 Ten chat prompts in five kinds (bench/prompts.py), greedy, --max-new-tokens (default 128)
 each, EOS ignored so every method generates the same number of tokens. Side by side in one
@@ -58,9 +59,12 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa
 
 DRAFT_GAMMAS = (1, 2, 3, 4, 5, 6)
 QUICK_DRAFT_GAMMAS = (2, 4)
+TREES = ((2, 4), (4, 8), (4, 12))  # (γ: depth, tree_nodes) of the --tree on rows
+QUICK_TREES = ((2, 4), (4, 8))
+AUTO_TREE_NODES = 8  # auto's rows with --tree on: adaptive γ, trees of this many tokens
 
 
-def specdec_methods(quick: bool) -> dict[str, dict]:
+def specdec_methods(quick: bool, tree: str = "off") -> dict[str, dict]:
     """name -> the GenerateRequest fields that select it."""
     pb = coordinator_pb2
     out = {report.TARGET_ONLY: {"proposer": pb.PROPOSER_NONE},
@@ -68,6 +72,12 @@ def specdec_methods(quick: bool) -> dict[str, dict]:
            report.LOOKUP: {"proposer": pb.PROPOSER_NGRAM}}
     for gamma in QUICK_DRAFT_GAMMAS if quick else DRAFT_GAMMAS:
         out[f"{report.DRAFT_PREFIX}{gamma}"] = {"proposer": pb.PROPOSER_DRAFT, "num_speculative_tokens": gamma}
+    if tree == "on":
+        for gamma, nodes in QUICK_TREES if quick else TREES:
+            out[f"{report.TREE_PREFIX}{gamma} n={nodes}"] = {
+                "proposer": pb.PROPOSER_DRAFT, "num_speculative_tokens": gamma, "tree_nodes": nodes}
+        out[f"{report.AUTO}+tree{AUTO_TREE_NODES}"] = {"proposer": pb.PROPOSER_AUTO,
+                                                    "tree_nodes": AUTO_TREE_NODES}
     return out
 
 
@@ -149,6 +159,8 @@ def main() -> int:
                         help="the coordinator's --draft-ahead (the draft works while the target verifies)")
     parser.add_argument("--settle", type=int, default=3,
                         help="adaptive requests run before the suite, so auto's measurements have settled")
+    parser.add_argument("--tree", default="off", choices=("off", "on"),
+                        help="on: rows of draft rounds proposing token trees (tree γ=G n=N) and auto with trees")
     parser.add_argument("--llama-server", default="",
                         help="a llama-server binary: llama.cpp's server on the same GGUF files, plain and "
                              "with the draft, as peers (ports --port+3, --port+4)")
@@ -178,7 +190,7 @@ def main() -> int:
         tokenizer, hf_model, peers = hf_target.tokenizer, hf_target.model, hf_methods(hf_draft.model)
     if args.quick:
         peers.pop(next((m for m in peers if "γ=" in m), ""), None)
-    ours = specdec_methods(args.quick)
+    ours = specdec_methods(args.quick, args.tree)
     if args.llama_server and not (draft_path.endswith(".gguf") and target_path.endswith(".gguf")):
         raise SystemExit("bench/speedup.py: --llama-server needs .gguf files as --draft-model/--target-model")
     proc = start_services(draft_path, target_path, args)
@@ -217,7 +229,7 @@ def main() -> int:
         proc.terminate()
         proc.wait(30)
         stack.close()
-    text = report.table(results, method_names)
+    text = report.table(results, method_names) + "\n\n" + report.passes_table(results, method_names)
     totals = report.overall(results)
     print(text)
     print(json.dumps(totals, indent=2, ensure_ascii=False))
