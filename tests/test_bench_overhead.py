@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import threading
 import time
 
 import pytest
 
 from bench import overhead
+from tests.echo_server import echo_server
 
 
 @pytest.mark.unit
@@ -34,24 +34,8 @@ def test_the_jitter_is_a_tenth_of_the_delay_unless_given():
 
 @pytest.fixture
 def echo():
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            while data := conn.recv(65536):
-                conn.sendall(data)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield server.getsockname()[1]
-    server.close()
+    with echo_server() as address:
+        yield address[1]
 
 
 def _round_trip(sock: socket.socket) -> float:

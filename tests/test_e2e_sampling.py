@@ -56,24 +56,37 @@ def small_cluster(small_vocab_models):
 ], ids=["t0.5", "t1.7", "t0.5-topk4", "t1.7-topp0.8", "t0.6-topk6-topp0.9"])
 def test_first_two_tokens_follow_target_distribution(small_vocab_models, small_cluster, params):
     p1, p2 = exact_first_two(small_vocab_models["target"], params)
-    vocab = len(p1)
+    counts1, counts2, accepted = sampled_first_two(small_cluster, params, SAMPLES)
+    # the draft is a different model: some drafts are rejected, some accepted
+    assert 0 < accepted < 2 * SAMPLES
+    assert_follows((counts1, p1), (counts2, p2))
+
+
+def sampled_first_two(cluster, params: SamplingParams, samples: int,
+                      **fields) -> tuple[np.ndarray, np.ndarray, int]:
+    """Counts of the first and the second generated token over `samples` seeds, and the drafts
+    the target accepted in all; `fields` go into every request."""
+    vocab = cluster.coordinator.engine.target_info.vocab_size
     counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
     accepted = 0
-    for seed in range(SAMPLES):
-        response = small_cluster.complete(
+    for seed in range(samples):
+        response = cluster.complete(
             token_ids=PROMPT_IDS, max_new_tokens=2, num_speculative_tokens=2,
             temperature=params.temperature, top_k=params.top_k or None,
-            top_p=params.top_p if params.top_p < 1 else None, seed=seed, ignore_eos=True)
+            top_p=params.top_p if params.top_p < 1 else None, seed=seed, ignore_eos=True, **fields)
         first, second = response.token_ids
         counts1[first] += 1
         counts2[second] += 1
         accepted += response.stats.accepted_tokens
-    # the draft is a different model: some drafts are rejected, some accepted
-    assert 0 < accepted < 2 * SAMPLES
-    for counts, probs in ((counts1, p1), (counts2, p2)):
+    return counts1, counts2, accepted
+
+
+def assert_follows(*observed: tuple[np.ndarray, np.ndarray]) -> None:
+    """Each (counts, exact probabilities) fits by chi-square, with nothing outside the support."""
+    for counts, probs in observed:
         support = probs > 1e-9
         assert counts[~support].sum() == 0, "a token outside the warped support was produced"
-        assert chi2_pvalue(counts[support], probs[support]) > 1e-3, (counts, probs * SAMPLES)
+        assert chi2_pvalue(counts[support], probs[support]) > 1e-3, (counts, probs * counts.sum())
 
 
 REPEATING_IDS = [3, 7, 5, 3, 7]  # prompt lookup proposes 5, 3 (what followed the earlier 3, 7)

@@ -8,15 +8,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import numpy as np
 import pytest
 
 from specdec.types import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import PROMPTS, reference
-from tests.test_e2e_sampling import PROMPT_IDS, exact_first_two
-from tests.test_sampling import chi2_pvalue
+from tests.test_e2e_sampling import assert_follows, exact_first_two, sampled_first_two
 
 pytestmark = pytest.mark.e2e
 
@@ -64,25 +62,11 @@ SAMPLES = 800
                                     SamplingParams(temperature=1.0, top_p=0.85)], ids=["t0.7", "t1.4-topk", "topp"])
 def test_sampled_trees_follow_the_target_distribution(small_vocab_models, params):
     p1, p2 = exact_first_two(small_vocab_models["target"], params)
-    vocab = len(p1)
-    counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
-    accepted = 0
     with Cluster(small_vocab_models["draft"], small_vocab_models["target"]) as cluster:
-        for seed in range(SAMPLES):
-            response = cluster.complete(
-                token_ids=PROMPT_IDS, max_new_tokens=2, num_speculative_tokens=2, tree_nodes=4,
-                temperature=params.temperature, top_k=params.top_k or None,
-                top_p=params.top_p if params.top_p < 1 else None, seed=seed, ignore_eos=True,
-                proposer=coordinator_pb2.PROPOSER_DRAFT)
-            first, second = response.token_ids
-            counts1[first] += 1
-            counts2[second] += 1
-            accepted += response.stats.accepted_tokens
+        counts1, counts2, accepted = sampled_first_two(cluster, params, SAMPLES, tree_nodes=4,
+                                                       proposer=coordinator_pb2.PROPOSER_DRAFT)
     assert 0 < accepted < 2 * SAMPLES
-    for counts, probs in ((counts1, p1), (counts2, p2)):
-        support = probs > 1e-9
-        assert counts[~support].sum() == 0, "a token outside the warped support was produced"
-        assert chi2_pvalue(counts[support], probs[support]) > 1e-3, (counts, probs * SAMPLES)
+    assert_follows((counts1, p1), (counts2, p2))
 
 
 def test_a_target_that_verifies_chains_only_gets_chains(models):

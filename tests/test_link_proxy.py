@@ -5,12 +5,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from bench.link_proxy import LinkDelay, LinkProxy
+from tests.echo_server import echo_server
 
 pytestmark = pytest.mark.unit
 
@@ -18,24 +18,8 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def echo():
     """An echo server on loopback: its address."""
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            while data := conn.recv(65536):
-                conn.sendall(data)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield server.getsockname()
-    server.close()
+    with echo_server() as address:
+        yield address
 
 
 def round_trip(sock: socket.socket, payload: bytes) -> float:
