@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from specdec.errors import InvalidArgument
 
 MAX_TREE_NODES = 64  # the most nodes one round may propose (every node is a verified token)
@@ -72,16 +70,6 @@ class TokenTree:
             out.append(node)
             node = self.parents[node] - 1
         return out[::-1]
-
-
-def ancestor_mask(tree: TokenTree, device: torch.device | str = "cpu") -> torch.Tensor:
-    """mask[i, j]: node i attends to node j, its ancestor or itself -> [n, n] bool."""
-    n = len(tree)
-    mask = torch.eye(n, dtype=torch.bool, device=device)  # [n, n]
-    for i, parent in enumerate(tree.parents):
-        if parent:
-            mask[i] |= mask[parent - 1]  # parents come first: their rows are complete
-    return mask
 
 
 def subtree(tree: TokenTree, keep: list[int]) -> TokenTree:

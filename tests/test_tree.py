@@ -10,7 +10,8 @@ from scipy.stats import chisquare
 from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.sampling import target_probs
-from specdec.tree import TokenTree, ancestor_mask, subtree
+from specdec.runtime.batch_cache import ancestor_mask
+from specdec.tree import TokenTree, subtree
 from specdec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.types import SamplingParams
 

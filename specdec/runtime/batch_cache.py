@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from specdec.runtime.kv_cache import KVBuffer, KVSpec
+from specdec.tree import TokenTree
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,16 @@ def attention_mask(pasts: Sequence[int], lengths: Sequence[int], n: int, dtype: 
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def ancestor_mask(tree: TokenTree, device: torch.device | str = "cpu") -> torch.Tensor:
+    """mask[i, j]: node i attends to node j, its ancestor or itself -> [n, n] bool."""
+    n = len(tree)
+    mask = torch.eye(n, dtype=torch.bool, device=device)  # [n, n]
+    for i, parent in enumerate(tree.parents):
+        if parent:
+            mask[i] |= mask[parent - 1]  # parents come first: their rows are complete
+    return mask
+
+
 def place_trees(mask: torch.Tensor, positions: torch.Tensor, pasts: Sequence[int], lengths: Sequence[int],
                 trees: Sequence[Any]) -> None:
     """Make each row's tree nodes attend to the history before the tree and to their own
@@ -89,8 +100,6 @@ def place_trees(mask: torch.Tensor, positions: torch.Tensor, pasts: Sequence[int
     tree is the last len(tree) tokens of its session once this forward has run: new ones (its
     last tokens) and, when a tree grows depth by depth, nodes already cached (the history's last
     tokens). mask [B, 1, n, P + n] (additive), positions [B, n]; in place."""
-    from specdec.tree import ancestor_mask
-
     n, keys = positions.shape[1], mask.shape[-1]
     P = keys - n
     blocked = torch.finfo(mask.dtype).min
