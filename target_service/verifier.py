@@ -114,17 +114,14 @@ class Verifier:
             verdict = accept_tree_greedy(tree, logits.argmax(dim=-1).tolist())
         else:
             generator = make_generator(call.seed, self.runner.device)
-            p = target_probs(logits, call.params)  # [1 + n, vocab]
-            verdict = accept_tree_sampled(tree, call.draft_q or DraftQ.from_dense(p[1:], list(tree.tokens)), p,
-                                          generator)
+            assert call.draft_q is not None  # a sampled call with drafts: call() built their q
+            verdict = accept_tree_sampled(tree, call.draft_q, target_probs(logits, call.params), generator)
         self.runner.keep_path(entry, len(entry) - len(tree), verdict.path)
-        logprobs: tuple[TokenLogprobs, ...] = ()
-        if call.top_logprobs is not None:
-            emitted = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
-            rows = [0] + [node + 1 for node in verdict.path]  # where each emitted token was scored
-            logprobs = tuple(token_logprobs(logits[rows], emitted, call.top_logprobs))
+        emitted = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+        scored_at = [0] + [node + 1 for node in verdict.path]  # the logits row of each emitted token
         return Verdict(len(verdict.path), verdict.next_token, verdict.is_bonus, [], len(entry),
-                       self.runner.take_restored(call.session_id), logprobs, tuple(verdict.path))
+                       self.runner.take_restored(call.session_id), self._logprobs(call, logits, emitted, scored_at),
+                       tuple(verdict.path))
 
     def _accept(self, call: VerifyCall, entry: SessionCache, logits: torch.Tensor) -> Verdict:
         """The acceptance step of one row. logits [γ+1, vocab]; the cache holds the fed tokens +
@@ -138,12 +135,19 @@ class Verifier:
             p = target_probs(logits, call.params)  # [γ+1, vocab]
             verdict = accept_sampled(call.drafts, call.draft_q or DraftQ.from_dense(p[:0], []), p, generator)
         entry.crop(len(entry) - len(call.drafts) + verdict.num_accepted)
-        logprobs: tuple[TokenLogprobs, ...] = ()
-        if call.top_logprobs is not None:
-            emitted = verdict.committed(call.drafts)
-            logprobs = tuple(token_logprobs(logits[: len(emitted)], emitted, call.top_logprobs))
+        emitted = verdict.committed(call.drafts)
         return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs,
-                       len(entry), self.runner.take_restored(call.session_id), logprobs)
+                       len(entry), self.runner.take_restored(call.session_id),
+                       self._logprobs(call, logits, emitted, list(range(len(emitted)))))
+
+    @staticmethod
+    def _logprobs(call: VerifyCall, logits: torch.Tensor, emitted: list[int],
+                  scored_at: list[int]) -> tuple[TokenLogprobs, ...]:
+        """The emitted tokens' log-probabilities when the call asks for them; scored_at: the
+        logits row of each (logits [rows, vocab])."""
+        if call.top_logprobs is None:
+            return ()
+        return tuple(token_logprobs(logits[scored_at], emitted, call.top_logprobs))
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)

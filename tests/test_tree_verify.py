@@ -180,3 +180,18 @@ def test_a_tree_grown_depth_by_depth_sees_only_its_ancestors(runner):
         torch.testing.assert_close(logits[k], alone(runner, HISTORY + path), msg=f"node {node}")
     [logits] = runner.forward_batch([Row("d", entry, [TREE.tokens[5]], 1, TREE)])
     torch.testing.assert_close(logits[0], alone(runner, HISTORY + [11, 13, 16]))  # node 5, under node 2
+
+
+@pytest.mark.unit
+def test_a_trees_logprobs_are_those_of_its_accepted_path(runner):
+    verifier = Verifier(runner)
+    tree = greedy_tree(runner, HISTORY, width=2, depth=2)
+    call = verifier.call("l", 0, 0, HISTORY, list(tree.tokens), [], SamplingParams(0.0), 0, top_logprobs=2,
+                         draft_parents=list(tree.parents))
+    [verdict] = verifier.verify_batch([call])
+    emitted = verdict.committed(list(tree.tokens))
+    assert [entry.token_id for entry in verdict.logprobs] == emitted and len(emitted) == 3
+    for k, entry in enumerate(verdict.logprobs):
+        expected = torch.log_softmax(alone(runner, HISTORY + emitted[:k]), dim=-1)  # [vocab]
+        assert entry.logprob == pytest.approx(expected[entry.token_id].item(), abs=1e-9)
+        assert [t for t, _ in entry.top] == torch.topk(expected, 2).indices.tolist()
