@@ -8,9 +8,10 @@ other calls' trees. The draft's own chain — its likeliest token after each one
 round would propose — is always kept (the spine), so a tree holds the chain of its depth and
 adds alternatives beside it. After num_speculative_tokens depths the tree is cut to the spine
 plus its best other nodes by path score, tree_nodes in all (ancestors score at least as high as
-their children, so the cut keeps whole paths). Children are picked by rank, deterministically, so each node's q is one-hot on
-its token: the target's recursive rejection sampling stays exact (docs/design.md). The
-session keeps only its history's K/V: the next call sends the path the target accepted.
+their children, so the cut keeps whole paths). Children are picked by rank, deterministically,
+so each node's q is one-hot on its token: the target's recursive rejection sampling stays exact
+(docs/design.md). The session keeps only its history's K/V: the next call sends the path the
+target accepted.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def cut(growing: _Growing) -> TokenTree:
     """The spine (as deep as the budget allows), then the best other nodes by path score (ties:
     the earlier node, so a parent comes first), tree_nodes in all."""
     spine = growing.spine[:growing.budget]
-    others = sorted((i for i in range(len(growing.tokens)) if i not in set(spine)),
+    on_spine = set(spine)
+    others = sorted((i for i in range(len(growing.tokens)) if i not in on_spine),
                     key=lambda i: (-growing.scores[i], i))
     # closed under parents: a kept node's parent is the root, on the spine, or ranked before it
     return subtree(growing.tree(), sorted(spine + others[:growing.budget - len(spine)]))
