@@ -53,6 +53,18 @@ def small_vocab_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def base_url(cluster):
+    """The HTTP API of the module's own `cluster` fixture (one with http_port set)."""
+    return f"http://127.0.0.1:{cluster.coordinator.http_port}"
+
+
+@pytest.fixture(scope="module")
+def model_id(cluster):
+    """The model id the module's `cluster` serves."""
+    return cluster.coordinator.engine.target_info.model_id
+
+
+@pytest.fixture(scope="module")
 def llama_cluster(models):
     with Cluster(models["llama"]["draft"], models["llama"]["target"]) as cluster:
         yield cluster

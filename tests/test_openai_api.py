@@ -35,16 +35,6 @@ def cluster(models):
 
 
 @pytest.fixture(scope="module")
-def base_url(cluster):
-    return f"http://127.0.0.1:{cluster.coordinator.http_port}"
-
-
-@pytest.fixture(scope="module")
-def model_id(cluster):
-    return cluster.coordinator.engine.target_info.model_id
-
-
-@pytest.fixture(scope="module")
 def client(base_url):
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
         yield client

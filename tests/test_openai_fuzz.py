@@ -333,16 +333,6 @@ def cluster(models):
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    return f"http://127.0.0.1:{cluster.coordinator.http_port}"
-
-
-@pytest.fixture(scope="module")
-def model_id(cluster):
-    return cluster.coordinator.engine.target_info.model_id
-
-
 def test_fuzz_openai_bodies(cluster, base_url, model_id):
     http = httpx.Client(base_url=base_url, timeout=60)
     sessions = []
