@@ -4,7 +4,8 @@ A tree's nodes are listed parents first. Each node's parent is given as on the w
 root (the session's last committed token, whose logits score the first depth) and j > 0 is node
 j − 1; so a chain of γ tokens has parents 0, 1, …, γ − 1. In a forward, node i sits at the
 position of the root + its depth and attends to the history and to its own ancestors only
-(`ancestor_mask`); rows of the verification's logits are the root's, then one per node.
+(`specdec/runtime/batch_cache.ancestor_mask`); rows of the verification's logits are the
+root's, then one per node.
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgument
-
-MAX_TREE_NODES = 64  # the most nodes one round may propose (every node is a verified token)
-
 
 @dataclass(frozen=True)
 class TokenTree:

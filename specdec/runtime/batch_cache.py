@@ -94,7 +94,7 @@ def ancestor_mask(tree: TokenTree, device: torch.device | str = "cpu") -> torch.
 
 
 def place_trees(mask: torch.Tensor, positions: torch.Tensor, pasts: Sequence[int], lengths: Sequence[int],
-                trees: Sequence[Any]) -> None:
+                trees: Sequence[TokenTree | None]) -> None:
     """Make each row's tree nodes attend to the history before the tree and to their own
     ancestors only, each at the position of its depth after the token before the tree. A row's
     tree is the last len(tree) tokens of its session once this forward has run: new ones (its
