@@ -65,10 +65,11 @@ def error_reply(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
         for kind, status, type_, code in _DOMAIN:
             if isinstance(exc, kind):
                 headers = {}
-                if isinstance(exc, errors.ResourceExhausted) and exc.retry_after_s is not None:
+                retry_after_s = errors.retry_after_s(exc)
+                if retry_after_s is not None:
                     # the gRPC trailer's value (specdec.rpc.status), and HTTP's whole seconds
-                    headers = {"retry-after-ms": str(int(exc.retry_after_s * 1000)),
-                               "retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
+                    headers = {"retry-after-ms": str(int(retry_after_s * 1000)),
+                               "retry-after": str(max(1, math.ceil(retry_after_s)))}
                 return status, error_body(str(exc), type_, None, code), headers
         return 500, error_body(f"a service failed: {exc}", "internal_error", None, "internal"), {}
     if isinstance(exc, StarletteHTTPException):

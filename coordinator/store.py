@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specdec.errors import FailedPrecondition, NotFound
+from specdec.errors import FailedPrecondition, NotFound, SessionBusy
 
 from coordinator.tiers import Tier
 
@@ -95,10 +95,14 @@ class SessionStore(Protocol):
     async def close(self) -> None: ...
 
 
-def busy_error(session_id: str) -> FailedPrecondition:
-    return FailedPrecondition(
-        f"session {session_id!r} is generating in another request; wait for it to finish or cancel it"
-    )
+def busy_error(session_id: str, free_in_s: float | None = None) -> SessionBusy:
+    """Another request holds the session; free_in_s: how long until its lease can change hands
+    even if the request holding it is gone (its coordinator stopped)."""
+    when = ("" if free_in_s is None else
+            f" (if that request's coordinator stopped, the session is free in {free_in_s:.1f}s)")
+    return SessionBusy(
+        f"session {session_id!r} is generating in another request{when}; wait for it to finish or "
+        "cancel it", retry_after_s=free_in_s)
 
 
 def taken_over_error(session_id: str, lapsed_after_s: float | None = None) -> FailedPrecondition:

@@ -32,12 +32,28 @@ class CacheMiss(FailedPrecondition):
         )
 
 
+class SessionBusy(FailedPrecondition):
+    """Another request holds the session's lease. retry_after_s, when given, is how long until
+    the lease can change hands even if its holder is gone (a client may retry sooner)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
 class ResourceExhausted(SpecdecError):
     """A limit was reached; retry later (after retry_after_s, when given) or with a smaller request."""
 
     def __init__(self, message: str, retry_after_s: float | None = None):
         self.retry_after_s = retry_after_s
         super().__init__(message)
+
+
+def retry_after_s(error: SpecdecError) -> float | None:
+    """When a client may usefully retry after `error` (seconds), where the error says so."""
+    if isinstance(error, (ResourceExhausted, SessionBusy)):
+        return error.retry_after_s
+    return None
 
 
 class Unavailable(SpecdecError):

@@ -36,8 +36,9 @@ def trailers_for(error: errors.SpecdecError) -> tuple[tuple[str, str], ...]:
     """The trailing metadata a call failing with `error` carries (what from_rpc_error reads back)."""
     if isinstance(error, errors.CacheMiss):
         return ((CACHE_MISS_KEY, str(error.held)),)
-    if isinstance(error, errors.ResourceExhausted) and error.retry_after_s is not None:
-        return ((RETRY_AFTER_KEY, str(int(error.retry_after_s * 1000))),)
+    retry_after_s = errors.retry_after_s(error)
+    if retry_after_s is not None:
+        return ((RETRY_AFTER_KEY, str(int(retry_after_s * 1000))),)
     return ()
 
 
