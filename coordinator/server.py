@@ -258,7 +258,8 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         except SpecdecError as exc:
             raise _unreachable(exc, routes) from exc
         try:
-            store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s)
+            store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s,
+                               config.session_holder_ttl_s)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
     except StartupError:

@@ -124,8 +124,12 @@ class CoordinatorConfig(ServerTlsConfig):
     session_store: str = opt("memory", "session store: memory, or redis://[:PASSWORD@]HOST:PORT/DB "
                              "(rediss:// for TLS)")
     session_ttl_s: float = opt(86400.0, "seconds a session is kept after its last write (Redis)")
-    session_lease_s: float = opt(120.0, "a request's hold on its session (renewed every third of this "
+    session_lease_s: float = opt(30.0, "a request's hold on its session (renewed every third of this "
                                  "while it runs) lapses after this long unrenewed (Redis)")
+    session_holder_ttl_s: float = opt(6.0, "a killed coordinator's sessions are free again after at "
+                                      "most this long: each coordinator refreshes a liveness key in "
+                                      "Redis every third of this, and the next request takes over a "
+                                      "lease whose coordinator's key lapsed (Redis)")
     max_concurrent_generations: int = opt(64, "requests generating at once; more get RESOURCE_EXHAUSTED")
     draft_timeout_s: float = opt(10.0, "budget of one Propose call; slower or failing drafts make the "
                                  "round target-only")

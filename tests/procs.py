@@ -63,6 +63,23 @@ class ServiceProcess:
                 self.proc.kill()
 
 
+class CoordinatorProcess(ServiceProcess):
+    """A `specdec serve coordinator` process on a fixed loopback port (one that can be killed)."""
+
+    def __init__(self, draft: str, target: str, extra: list[str] | None = None):
+        super().__init__("coordinator", model="", extra=["--draft", draft, "--target", target, *(extra or [])])
+
+    def start(self) -> "CoordinatorProcess":
+        command = [sys.executable, "-m", "specdec_cli", "serve", "coordinator", "--port", str(self.port),
+                   *self.extra]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_healthy(self.address, 120, [self.proc])
+        return self
+
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(self.address))
+
+
 class Coordinator:
     """A coordinator served from this process (asyncio loop in a thread)."""
 

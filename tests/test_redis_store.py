@@ -12,12 +12,12 @@ import grpc
 import pytest
 import redis
 
-from coordinator.redis_store import RedisSessionStore, _keys
+from coordinator.redis_store import HOLDER_PREFIX, RedisSessionStore, _keys
 from coordinator.memory_store import MemorySessionStore
 from coordinator.store import Lease, Placement
 from coordinator.stores import open_store
 from specdec import tiny
-from specdec.errors import FailedPrecondition, NotFound, Unavailable
+from specdec.errors import FailedPrecondition, NotFound, SessionBusy, Unavailable
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.redis_server import RedisServer
@@ -100,6 +100,115 @@ def test_lease_expires_without_progress(redis_url):
             await a.acquire(record.session_id)
             await asyncio.sleep(0.4)
             await b.acquire(record.session_id)  # a stalled request does not block a session forever
+        finally:
+            await a.close()
+            await b.close()
+    run(body())
+
+
+def _as_if_killed(store: RedisSessionStore) -> None:
+    """The store's coordinator stops without a goodbye: no more liveness refreshes, nothing released."""
+    store._announcer.cancel()
+
+
+@pytest.mark.service
+def test_a_killed_coordinators_lease_is_taken_over_once_its_liveness_lapses(redis_url):
+    async def body():
+        a = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.6)
+        b = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.6)
+        try:
+            record = await a.create()
+            held = await a.acquire(record.session_id)
+            _as_if_killed(a)
+            with pytest.raises(SessionBusy, match="free in") as busy:
+                await b.acquire(record.session_id)
+            assert 0 < busy.value.retry_after_s <= 0.6
+            await asyncio.sleep(busy.value.retry_after_s + 0.1)
+            taken = await b.acquire(record.session_id)  # long before the 60 s lease would lapse
+            taken.record.token_ids.append(5)
+            await b.save(taken.record, taken)
+            held.record.token_ids.append(6)  # the old holder, were it only cut off, writes nothing
+            with pytest.raises(FailedPrecondition, match="taken over"):
+                await a.save(held.record, held)
+            assert (await b.get(record.session_id)).token_ids == [5]
+        finally:
+            await a.close()
+            await b.close()
+    run(body())
+
+
+@pytest.mark.service
+def test_a_live_coordinators_lease_is_never_taken_over(redis_url):
+    async def body():
+        a = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.3)
+        b = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.3)
+        try:
+            record = await a.create()
+            await a.acquire(record.session_id)
+            for _ in range(4):  # four liveness lifetimes: a keeps refreshing its key
+                await asyncio.sleep(0.3)
+                with pytest.raises(SessionBusy) as busy:
+                    await b.acquire(record.session_id)
+                assert 0 < busy.value.retry_after_s <= 0.3
+        finally:
+            await a.close()
+            await b.close()
+    run(body())
+
+
+@pytest.mark.service
+def test_a_lease_without_a_coordinator_lasts_its_ttl(redis_url):
+    """A lease written by a coordinator that keeps no liveness key (an older version) is never taken
+    over; the busy error says when it lapses."""
+    async def body():
+        store = RedisSessionStore(redis_url, lease_ttl_s=60)
+        client = store.client
+        try:
+            record = await store.create()
+            await client.set(_keys(record.session_id)[2], "an-older-coordinators-lease", px=5000)
+            with pytest.raises(SessionBusy) as busy:
+                await store.acquire(record.session_id)
+            assert 4 < busy.value.retry_after_s <= 5
+            assert await client.get(_keys(record.session_id)[2]) == "an-older-coordinators-lease"
+        finally:
+            await store.close()
+    run(body())
+
+
+@pytest.mark.service
+def test_closing_a_store_frees_its_sessions_at_once(redis_url):
+    async def body():
+        a = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=30)
+        b = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=30)
+        try:
+            record = await a.create()
+            await a.acquire(record.session_id)
+            holder_key = HOLDER_PREFIX + a.holder_id
+            assert await b.client.exists(holder_key)
+            await a.close()
+            assert not await b.client.exists(holder_key)
+            await b.acquire(record.session_id)
+        finally:
+            await b.close()
+    run(body())
+
+
+@pytest.mark.service
+def test_a_release_while_redis_is_down_is_made_when_it_is_back(own_redis):
+    async def body():
+        a = RedisSessionStore(own_redis.url, lease_ttl_s=60, holder_ttl_s=30, socket_timeout_s=1)
+        b = RedisSessionStore(own_redis.url, lease_ttl_s=60, holder_ttl_s=30, socket_timeout_s=1)
+        try:
+            record = await a.create()
+            lease = await a.acquire(record.session_id)
+            own_redis.stop()
+            await a.release(lease)  # Redis is down: the release waits in the background
+            own_redis.start()
+            deadline = time.monotonic() + 5
+            while await b.client.exists(_keys(record.session_id)[2]):
+                assert time.monotonic() < deadline, "the lease was not released once Redis was back"
+                await asyncio.sleep(0.1)
+            await b.acquire(record.session_id)  # free long before the 60 s lease would lapse
         finally:
             await a.close()
             await b.close()

@@ -10,7 +10,7 @@ import pytest
 
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
-from tests.procs import Coordinator, ServiceProcess
+from tests.procs import Coordinator, CoordinatorProcess, ServiceProcess
 
 PROMPT = "def fibonacci(n):"
 LONG = dict(prompt=PROMPT, max_new_tokens=300, num_speculative_tokens=3, ignore_eos=True)
@@ -55,6 +55,54 @@ def test_target_killed_and_restarted_mid_stream(services, redis_url):
         assert last.stats.cache_misses >= 1  # the restarted target rebuilt the session from the store
     finally:
         coordinator.stop()
+
+
+@pytest.mark.process
+def test_a_killed_coordinators_session_continues_on_another_within_seconds(services, redis_url):
+    """SIGKILL a coordinator mid-request: its session's lease outlives it only until its liveness
+    key lapses (--session-holder-ttl-s), not for the whole lease; the other coordinator says when
+    to retry, then continues the session with every streamed token kept."""
+    draft, target = services
+    store = ["--session-store", redis_url, "--session-lease-s", "120", "--session-holder-ttl-s", "3"]
+    doomed = CoordinatorProcess(draft.address, target.address, store).start()
+    other = CoordinatorProcess(draft.address, target.address, store).start()
+    try:
+        streamed, session_id = [], ""
+
+        def kill():
+            doomed.pause()  # frozen mid-round, holding the lease
+            doomed.kill()
+
+        with pytest.raises(grpc.RpcError) as cut:
+            for i, chunk in enumerate(doomed.stub().Generate(_request(prompt=PROMPT, max_new_tokens=400), timeout=60)):
+                streamed.extend(chunk.token_ids)
+                session_id = session_id or chunk.session_id
+                if i == 0:
+                    kill()
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+        killed_at, hints, more = time.monotonic(), [], None
+        while more is None:
+            try:
+                more = other.stub().Complete(coordinator_pb2.CompleteRequest(
+                    request=_request(session_id=session_id, prompt=" next", max_new_tokens=8)), timeout=60)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.details()
+                assert "generating in another request" in exc.details() and "free in" in exc.details()
+                hints.append(int(dict(exc.trailing_metadata())["retry-after-ms"]))
+                assert 0 <= hints[-1] <= 3000, hints
+                assert time.monotonic() - killed_at < 20, "the session stayed leased to a dead coordinator"
+                time.sleep(hints[-1] / 1000 + 0.05)
+        assert len(more.token_ids) == 8
+        stored = list(other.stub().GetSession(coordinator_pb2.GetSessionRequest(session_id=session_id)).token_ids)
+        assert streamed and _contains(stored, streamed), "a streamed token was lost"
+        assert len(hints) <= 3, hints  # one hint (maybe two) was enough
+    finally:
+        doomed.stop()
+        other.stop()
+
+
+def _contains(history: list[int], part: list[int]) -> bool:
+    return any(history[i:i + len(part)] == part for i in range(len(history) - len(part) + 1))
 
 
 @pytest.mark.process
