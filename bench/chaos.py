@@ -17,7 +17,8 @@ Clients: --sessions workers, each a loop of requests to a random coordinator: ne
 sessions, greedy or seeded sampling, a fixed or adaptive γ, proposers auto, draft and ngram;
 inputs are token ids so the client knows every token a session must hold. A request that fails
 with a retryable status (UNAVAILABLE, RESOURCE_EXHAUSTED, FAILED_PRECONDITION: a busy session or
-a lost lease, DEADLINE_EXCEEDED) is retried as a real client would: it reads the session
+a lost lease, DEADLINE_EXCEEDED) is retried as a real client would, after the server's
+retry-after-ms hint where it gives one (a busy session: when it is free): it reads the session
 (GetSession, any coordinator), checks that it holds everything the client was streamed, and
 continues it for the tokens still owed.
 
@@ -282,7 +283,7 @@ class Client:
                     return
                 with self.tally.lock:
                     self.tally.retries += 1
-                time.sleep(min(0.25 * attempts, 2.0))
+                time.sleep(max(min(0.25 * attempts, 2.0), retry_after_s(exc)))
                 if not self.session_id:  # nothing streamed of a new session: start it again
                     continue
                 stored = self.read_session()
@@ -327,6 +328,15 @@ class Client:
                     return None
                 time.sleep(0.5)
         return None
+
+
+def retry_after_s(exc: grpc.RpcError) -> float:
+    """The server's retry-after-ms hint (a busy session, a full queue), at most 30 s; 0 without one."""
+    try:
+        hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms")
+        return min(int(hint) / 1000, 30.0) if hint is not None else 0.0
+    except (ValueError, TypeError):
+        return 0.0
 
 
 # ---- faults ---------------------------------------------------------------------------------------
