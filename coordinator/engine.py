@@ -268,7 +268,8 @@ class Engine:
         if result.call_seconds is not None:  # the Propose call, answered or failed
             stages["draft"] = result.call_seconds
         stages["coordinator"] = max(0.0, now - result.started - sum(stages.values()))
-        self.metrics.record_round(result.source if proposed else Proposer.NONE, proposed, accepted, stages)
+        self.metrics.record_round(result.source if proposed else Proposer.NONE, proposed, accepted, stages,
+                                  tree=bool(result.parents))
 
     # ---- one round ----------------------------------------------------------------------------
 
@@ -317,7 +318,9 @@ class Engine:
         verify_s = time.perf_counter() - t0
         try:
             stats.target_seconds += verify_s
-            stats.record_round(len(tokens), verdict.num_accepted, drafts.source, proposal.hints_kept)
+            stats.record_round(len(tokens), verdict.num_accepted, drafts.source, proposal.hints_kept,
+                               TokenTree(tuple(tokens), proposal.parents) if proposal.parents else None,
+                               verdict.accepted_nodes)
             source.observe(rnd, drafts, verdict)
             for call in side:
                 await call.settle(verdict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from specdec.tree import TokenTree, tree_outcome
 from specdec.types import Proposer
 
 from coordinator.tiers import Tier
@@ -37,6 +38,11 @@ class GenerationStats:
     draft_hint_accepted_tokens: int = 0  # of those, accepted by the target
     draft_ahead_calls: int = 0      # Propose calls made ahead, while the round before was verified
     draft_ahead_rounds: int = 0     # draft rounds whose drafts such a call proposed
+    tree_rounds: int = 0            # of draft_rounds, those that proposed a token tree
+    tree_draft_tokens: int = 0      # of draft_tokens, the nodes of those trees
+    tree_accepted_tokens: int = 0   # of accepted_tokens, the accepted paths' nodes of those trees
+    tree_branch_accepted_tokens: int = 0  # of those, nodes off the draft's own chain (what a chain lacked)
+    tree_accepted_per_depth: list[int] = field(default_factory=list)  # [d] -> tree rounds whose path reached depth d + 1
     rounds_by_gamma: list[int] = field(default_factory=list)  # [γ] -> rounds that proposed γ
     gamma_per_round: list[int] = field(default_factory=list)  # this request only (not cumulated)
 
@@ -47,6 +53,11 @@ class GenerationStats:
     @property
     def tokens_per_round(self) -> float:
         return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tree_tokens_per_round(self) -> float:
+        """Tokens a tree round committed per target pass: its accepted path and the target's token."""
+        return (self.tree_accepted_tokens + self.tree_rounds) / self.tree_rounds if self.tree_rounds else 0.0
 
     def add_prefill(self, tier: Tier, tokens: int, restored: int = 0) -> None:
         """`tokens` the tier's replica had to prefill (a request's first call, or a resend), of
@@ -59,9 +70,14 @@ class GenerationStats:
             self.target_restored_tokens += restored
 
     def record_round(self, gamma: int, accepted: int, source: Proposer = Proposer.DRAFT,
-                     hints_kept: int = 0) -> None:
+                     hints_kept: int = 0, tree: TokenTree | None = None,
+                     accepted_nodes: tuple[int, ...] = ()) -> None:
         """One round: γ tokens proposed by `source` (DRAFT, NGRAM; NONE when γ is 0), the first
-        `hints_kept` of a draft round being prompt-lookup hints the draft model kept."""
+        `hints_kept` of a draft round being prompt-lookup hints the draft model kept; a tree
+        round's γ tokens are `tree`'s nodes, of which the target accepted the path
+        `accepted_nodes`."""
+        if tree is not None and gamma:
+            self._record_tree(tree, accepted_nodes)
         self.rounds += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
@@ -77,10 +93,14 @@ class GenerationStats:
             self.rounds_by_gamma += [0] * (gamma + 1 - len(self.rounds_by_gamma))
         self.rounds_by_gamma[gamma] += 1
         self.gamma_per_round.append(gamma)
-        if len(self.accepted_per_position) < accepted:
-            self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
+        _count_up_to(self.accepted_per_position, accepted)
+
+    def _record_tree(self, tree: TokenTree, accepted_nodes: tuple[int, ...]) -> None:
+        self.tree_rounds += 1
+        self.tree_draft_tokens += len(tree)
+        self.tree_accepted_tokens += len(accepted_nodes)
+        self.tree_branch_accepted_tokens += len(accepted_nodes) - tree_outcome(tree, accepted_nodes).spine_accepted
+        _count_up_to(self.tree_accepted_per_depth, len(accepted_nodes))
 
     def merged(self, other: "GenerationStats") -> "GenerationStats":
         """Sum of two stats (for a session's cumulative view; the per-round γ list is left out)."""
@@ -101,6 +121,7 @@ class GenerationStats:
         data = asdict(self)
         data["acceptance_rate"] = self.acceptance_rate
         data["tokens_per_round"] = self.tokens_per_round
+        data["tree_tokens_per_round"] = self.tree_tokens_per_round
         return data
 
     @classmethod
@@ -113,3 +134,11 @@ class GenerationStats:
                 f"accepted={self.accepted_tokens} acceptance={self.acceptance_rate:.3f} "
                 f"tokens/round={self.tokens_per_round:.2f} draft_rounds={self.draft_rounds} "
                 f"ngram_rounds={self.ngram_rounds}")
+
+
+def _count_up_to(counts: list[int], reached: int) -> None:
+    """counts[i] += 1 for i < reached (a per-position or per-depth count), growing the list."""
+    if len(counts) < reached:
+        counts += [0] * (reached - len(counts))
+    for i in range(reached):
+        counts[i] += 1

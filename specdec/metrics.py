@@ -90,6 +90,16 @@ class Metrics:
             "specdec_num_accepted_tokens_per_pos",
             "accepted proposals by position in the round (0 = the first proposed token)",
             ["proposer", "position"], registry=r)
+        self.num_tree_drafts = Counter("specdec_num_tree_drafts", "draft-model rounds that proposed a token tree",
+                                       registry=r)
+        self.num_tree_draft_tokens = Counter("specdec_num_tree_draft_tokens", "nodes of the token trees proposed",
+                                             registry=r)
+        self.num_tree_accepted_tokens_per_depth = Counter(
+            "specdec_num_tree_accepted_tokens_per_depth",
+            "tree rounds whose accepted path reached this depth (1 = the root's child)", ["depth"], registry=r)
+        self.tree_tokens_per_round = Histogram("specdec_tree_tokens_per_round",
+                                               "tokens a tree round committed per target pass (path + 1)",
+                                               buckets=TOKEN_BUCKETS, registry=r)
         self.requests = Counter("specdec_requests", "finished gRPC calls by method and status code",
                                 ["method", "code"], registry=r)
         self.round_latency = Histogram("specdec_round_latency_seconds",
@@ -114,9 +124,10 @@ class Metrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see _child
 
     def record_round(self, proposer: Proposer | str, gamma: int, accepted: int,
-                     stage_seconds: Mapping[str, float] | None = None) -> None:
+                     stage_seconds: Mapping[str, float] | None = None, tree: bool = False) -> None:
         """One speculation round: γ proposed by `proposer`, `accepted` of them kept, and the
-        seconds it spent per stage (draft, verify, store, coordinator)."""
+        seconds it spent per stage (draft, verify, store, coordinator). tree: the γ tokens were
+        a token tree's nodes and `accepted` its accepted path's."""
         _check(proposer, ROUND_SOURCES, "proposer")
         if not 0 <= accepted <= gamma:
             raise ValueError(f"need 0 <= accepted <= gamma, got {accepted}, {gamma}")
@@ -127,6 +138,12 @@ class Metrics:
             child(self.num_accepted_tokens, proposer).inc(accepted)
             for position in range(accepted):
                 child(self.num_accepted_tokens_per_pos, proposer, str(position)).inc()
+        if tree and gamma > 0:
+            self.num_tree_drafts.inc()
+            self.num_tree_draft_tokens.inc(gamma)
+            for depth in range(1, accepted + 1):
+                child(self.num_tree_accepted_tokens_per_depth, str(depth)).inc()
+            self.tree_tokens_per_round.observe(accepted + 1)
         child(self.num_speculative_tokens, proposer).observe(gamma)
         child(self.tokens_per_round, proposer).observe(accepted + 1)
         for stage, seconds in (stage_seconds or {}).items():

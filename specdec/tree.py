@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 from specdec.errors import InvalidArgument
 
+TREE_WIDTH = 4  # the most nodes the draft keeps at a depth (so the most children of a node)
+
+
 @dataclass(frozen=True)
 class TokenTree:
     """The tokens of a round's proposal and how they hang together."""
@@ -61,6 +64,17 @@ class TokenTree:
             out[parent].append(i)
         return out
 
+    def spine(self) -> list[int]:
+        """The nodes from the root down its first children: the draft lists each node's likeliest
+        child first, so this is its own chain (what a chain round would have proposed)."""
+        first = self.children()
+        out: list[int] = []
+        row = 0
+        while first[row]:
+            out.append(first[row][0])
+            row = out[-1] + 1
+        return out
+
     def path(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node`."""
         out = []
@@ -75,3 +89,29 @@ def subtree(tree: TokenTree, keep: list[int]) -> TokenTree:
     index = {node: new for new, node in enumerate(keep)}
     return TokenTree(tuple(tree.tokens[i] for i in keep),
                      tuple(0 if tree.parents[i] == 0 else index[tree.parents[i] - 1] + 1 for i in keep))
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    """What the target did with a tree, as the policy and the stats count it."""
+
+    spine_proposed: int       # nodes on the draft's own chain (the tree's spine)
+    spine_accepted: int       # of them, accepted before the accepted path left the spine (or ended)
+    alternatives_tried: int   # alternatives beside the first rejected spine node the target tested
+    alternatives_accepted: int  # of them, accepted (0 or 1: the path goes on under it)
+
+
+def tree_outcome(tree: TokenTree, accepted_nodes: tuple[int, ...] | list[int]) -> TreeOutcome:
+    """How the accepted path (nodes, root's child first) went against the tree's spine: how far
+    it followed the spine and, where the spine's node was rejected, how many of that node's
+    siblings (in order, as the target tests them) were tried and whether one was accepted."""
+    spine = tree.spine()
+    on = 0
+    while on < len(accepted_nodes) and on < len(spine) and accepted_nodes[on] == spine[on]:
+        on += 1
+    if on == len(spine):
+        return TreeOutcome(len(spine), on, 0, 0)
+    siblings = tree.children()[0 if on == 0 else spine[on - 1] + 1][1:]  # the spine node's, after it
+    if on < len(accepted_nodes):  # the path went on through an alternative
+        return TreeOutcome(len(spine), on, siblings.index(accepted_nodes[on]) + 1, 1)
+    return TreeOutcome(len(spine), on, len(siblings), 0)
