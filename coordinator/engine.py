@@ -23,7 +23,7 @@ from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
 from specdec.tree import TokenTree
-from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs
+from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs, Trees
 
 from coordinator.calls import SessionCalls
 from coordinator.lease_keeper import LeaseKeeper
@@ -75,7 +75,7 @@ class Engine:
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
                                        config.ngram_max, config.ngram_max_tokens, config.draft_cost_ratio,
                                        draft_hints=config.draft_hints,
-                                       min_confidence=config.draft_min_confidence)
+                                       min_confidence=config.draft_min_confidence, trees=Trees(config.trees))
         self.calls = SessionCalls(routes, config)
         self.draft_model = DraftModel(self.calls, routes, config, draft_info, self.max_gamma,
                                       self.context_length, load=lambda: self.active,
@@ -163,13 +163,13 @@ class Engine:
                    added: list[int], max_new: int, mode: SpeculationMode) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
         run = RequestRun(record, GenerationStats(prompt_tokens=len(added)), PrefixHashes(record.token_ids),
-                         cache_salt=request.cache_salt, top_logprobs=request.top_logprobs,
-                         tree_nodes=request.tree_nodes if self.target_info.verifies_trees else 0)
+                         cache_salt=request.cache_salt, top_logprobs=request.top_logprobs)
         run.commit(added)
         record.requests += 1
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here
         await self.store.save(record, lease)
-        spec = self.speculation.start(record.session_id, mode.proposer, mode.fixed_gamma)
+        spec = self.speculation.start(record.session_id, mode.proposer, mode.fixed_gamma, request.tree_nodes,
+                                      self.draft_info.verifies_trees and self.target_info.verifies_trees)
         rng = RequestRng(request.seed)
         text = StreamedText(self.tokenizer, record.token_ids, request.stop)
         generated: list[int] = []
@@ -251,14 +251,12 @@ class Engine:
     @staticmethod
     def _observe_policy(spec: RequestSpeculation, result: RoundResult) -> None:
         """Feed a finished round to the request's policy."""
-        proposed = len(result.drafts)
-        if result.parents:  # a tree is priced as the chain of its depth: no accepted path is longer
-            proposed = max(TokenTree(tuple(result.drafts), result.parents).depths())
-        spec.observe(result.source, proposed, result.verdict.num_accepted,
+        spec.observe(result.source, len(result.drafts), result.verdict.num_accepted,
                      propose_seconds=result.propose_seconds,
                      verify_seconds=result.verify_seconds if result.verified_tokens else None,
                      verified_tokens=result.verified_tokens or len(result.drafts) + 1,
-                     hints_kept=result.hints_kept, batch_tokens=result.batch_tokens)
+                     hints_kept=result.hints_kept, batch_tokens=result.batch_tokens,
+                     tree=result.tree, accepted_nodes=result.verdict.accepted_nodes)
 
     def _observe_metrics(self, result: RoundResult, store_started: float) -> None:
         """Record a committed and stored round in the metrics."""

@@ -59,7 +59,7 @@ class SpecdecFields(BaseModel):
     proposer: Literal["auto", "draft", "ngram", "none"] | None = None  # None: --default-proposer
     session_id: str = ""                         # "": a new session; set: continue that session
     cache_salt: str = ""                         # mixed into the services' K/V chunk keys
-    tree_nodes: int = Field(0, ge=0)             # draft rounds propose a tree of this many tokens (0: chains)
+    tree_nodes: int = Field(0, ge=0)             # draft rounds propose a tree of this many tokens (0: --trees, 1: chains)
     # OpenAI fields not supported yet: refused when set to anything but their neutral value
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None

@@ -45,6 +45,16 @@ and probe interval on the coordinator's shared `ProbeClock` instead of its own: 
 acceptance belongs to the pair, so one probe refreshes it for every session, and a draft that
 does not pay is not probed again by each new session (each probe of a session that has not
 called the draft yet carries its whole history as a catch-up prefill).
+
+Token trees (`tree_expected_tokens`): where the target verifies trees and the draft grows them,
+an adaptive draft round may propose a tree of n nodes, d deep, instead of a chain: the draft's
+chain of d (the spine, accepted per position with α) plus n − d alternatives beside it. Each
+alternative is modelled as a leaf sibling of a spine node: the target takes the r-th
+alternative at a depth where it rejected the spine with probability b per alternative tried
+(`branch_alpha`, measured on tree rounds, starting from α·`branch_prior_ratio`). A tree round
+costs t_propose(d) + t_verify(n + 1): so a tree wins (by `tree_min_gain` over the best chain)
+where verification is flat and the draft unsure, a chain where each verified token costs or the
+draft is sure.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from specdec.tree import TREE_WIDTH
 from specdec.types import Proposer
 
 SOURCES = (Proposer.DRAFT, Proposer.NGRAM)  # the sources that propose tokens
@@ -65,6 +76,32 @@ def expected_tokens(alpha: float, gamma: int) -> float:
         power *= alpha
         tokens += power
     return tokens
+
+
+def tree_expected_tokens(alpha: float, branch_alpha: float, depth: int, nodes: int,
+                         width: int = TREE_WIDTH) -> float:
+    """E[tokens committed by a round proposing a tree of `nodes` nodes, `depth` deep]: the chain
+    of `depth` (the spine, each node accepted with α once its parent is) plus `nodes − depth`
+    alternatives, each a leaf sibling of a spine node (at most width − 1 per depth, as the
+    draft's beam keeps `width` nodes a depth). The target takes the r-th alternative at depth i
+    when it accepted the spine to depth i − 1 (α^(i−1)), rejected its node there (1 − α) and the
+    r − 1 alternatives before it ((1 − b)^(r−1)), then accepted it (b): that is what the
+    alternative adds, and the draft keeps the alternatives that add most (its path score), so
+    the best `nodes − depth` are summed. Children of alternatives are not counted: a lower
+    bound of what the draft's tree holds."""
+    _check_alpha(alpha)
+    _check_alpha(branch_alpha)
+    if not 0 <= depth <= nodes:
+        raise ValueError(f"need 0 <= depth <= nodes, got {depth}, {nodes}")
+    adds = sorted((alpha ** (i - 1) * (1.0 - alpha) * branch_alpha * (1.0 - branch_alpha) ** (r - 2)
+                   for i in range(1, depth + 1) for r in range(2, width + 1)), reverse=True)
+    return expected_tokens(alpha, depth) + sum(adds[:nodes - depth])
+
+
+def tree_budgets(depth: int, max_nodes: int) -> list[int]:
+    """The node budgets the policy weighs for a tree `depth` deep: twice and four times its
+    depth (a chain is the budget `depth` itself), at most `max_nodes`."""
+    return [n for n in (2 * depth, 4 * depth) if depth < n <= max_nodes]
 
 
 def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
@@ -125,6 +162,15 @@ class AcceptanceEstimate:
             return
         self.successes = self.successes * self.decay + accepted
         self.trials = self.trials * self.decay + accepted + (1 if accepted < proposed else 0)
+        self.rounds += 1
+
+    def observe_trials(self, tried: int, accepted: int) -> None:
+        """A round of `tried` independent trials, `accepted` of them successes (every one was
+        tried: a tree's alternatives, unlike a chain's positions after a rejection)."""
+        if tried <= 0:
+            return
+        self.successes = self.successes * self.decay + accepted
+        self.trials = self.trials * self.decay + tried
         self.rounds += 1
 
     @property
@@ -211,6 +257,19 @@ class CostModel:
             return None
         return max(0, int((seconds - propose[0]) / propose[1]))
 
+    def relative_tree_cost(self, depth: int, nodes: int, load: int = 1) -> float:
+        """(t_propose(depth) + t_verify(load·(nodes + 1))) / t_verify(load): a draft round growing a
+        tree of `nodes` nodes (one draft forward per depth) in plain-decode steps. Unmeasured:
+        as `relative_cost` for the draft's `depth` steps (verification flat)."""
+        verify, propose = self.verify.coefficients(), self.propose[Proposer.DRAFT].coefficients()
+        load = max(1, load)
+        t1 = None if verify is None else verify[0] + verify[1] * load
+        if t1 is None or t1 <= 0:
+            return 1.0 + self.default_cost_ratio * depth
+        t_propose = (self.default_cost_ratio * depth * t1 if propose is None
+                     else propose[0] + propose[1] * depth)
+        return (t_propose + verify[0] + verify[1] * load * (nodes + 1)) / t1
+
     def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
         """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""
         verify, propose = self.verify.coefficients(), self.propose[source].coefficients()
@@ -246,6 +305,13 @@ class PolicyConfig:
     draft_prior_weight: float = 20.0  # trials' worth of the coordinator-wide draft α every session's
     #                                    draft α keeps (the pair's acceptance: a few rejections in a
     #                                    row must not price the draft out for a stretch of rounds)
+    branch_prior_ratio: float = 0.5    # before tree rounds measure it, b (an alternative's acceptance
+    #                                    where the spine was rejected) is taken as α times this
+    branch_prior_weight: float = 2.0   # trials' worth of that prior the measured b keeps
+    tree_min_gain: float = 0.05        # a tree replaces the best chain only when its estimated speedup
+    #                                    is higher by this fraction (b and the verify fit's slope past
+    #                                    the chains' sizes are estimates; a tree's draft forwards carry
+    #                                    several nodes)
 
 
 @dataclass(frozen=True)
@@ -256,6 +322,7 @@ class Choice:
     gamma: int         # tokens to propose (0 exactly when source is "none")
     reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
+    tree_nodes: int = 0   # a draft round: propose a tree of this many nodes, γ deep (0: a chain)
 
     def __iter__(self) -> Iterator:
         return iter((self.source, self.gamma))
@@ -285,6 +352,7 @@ class SessionPolicy:
     costs: CostModel | None = None
     draft_prior: AcceptanceEstimate | None = None  # the draft's α over all sessions (shared)
     probe_clock: ProbeClock | None = None  # the draft's probe clock over all sessions (shared)
+    branch: AcceptanceEstimate | None = None  # trees: b, an alternative's acceptance (shared; None: own)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -293,6 +361,8 @@ class SessionPolicy:
         self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), ProbeClock(c.probe_interval))
                         for s in SOURCES}
         self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
+        if self.branch is None:
+            self.branch = AcceptanceEstimate(c.alpha_decay)
 
     def alpha(self, source: Proposer) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round).
@@ -308,6 +378,20 @@ class SessionPolicy:
             return own.alpha
         weight = self.config.draft_prior_weight
         return (own.successes + weight * prior.alpha) / (own.trials + weight)
+
+    def branch_alpha(self, alpha: float) -> float:
+        """b: the probability that the target takes an alternative beside a spine node it
+        rejected, per alternative tried — measured on tree rounds, holding `branch_prior_weight`
+        trials of α·`branch_prior_ratio` (a draft whose ranks' probabilities fall geometrically
+        would give b = α; its second choice is the target's less often than that)."""
+        c, branch = self.config, self.branch
+        weight = c.branch_prior_weight
+        return (branch.successes + weight * alpha * c.branch_prior_ratio) / (branch.trials + weight)
+
+    def observe_branches(self, tried: int, accepted: int) -> None:
+        """A tree round tested `tried` alternatives beside the spine node the target rejected and
+        accepted `accepted` (0 or 1, the last tried) of them."""
+        self.branch.observe_trials(tried, accepted)
 
     def ngram_alpha(self, order: int = 0) -> float | None:
         """Prompt lookup's α for a match of `order` tokens: that length's own estimate once it
@@ -335,7 +419,8 @@ class SessionPolicy:
 
     def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
                draft_available: bool = True, mode: Proposer = Proposer.AUTO,
-               fixed_gamma: int | None = None, ngram_order: int = 0, load: int = 1) -> Choice:
+               fixed_gamma: int | None = None, ngram_order: int = 0, load: int = 1,
+               max_tree_nodes: int = 0) -> Choice:
         """The source and γ of the next round.
 
         max_gamma: this round's cap (tokens left, context room, the services' limits);
@@ -343,7 +428,10 @@ class SessionPolicy:
         ngram_order: the length of the suffix it matched (0: unknown);
         load: generations sharing the target now (this one included);
         draft_available: False while the draft tier is failing;
-        mode / fixed_gamma: the request's override (fixed source and / or fixed γ).
+        mode / fixed_gamma: the request's override (fixed source and / or fixed γ);
+        max_tree_nodes: an adaptive draft round may propose a tree of up to this many nodes
+        instead of a chain when that pays (0: chains only — the target or the draft cannot, the
+        request or the coordinator turned trees off, γ is fixed).
         """
         if not isinstance(mode, Proposer):
             mode = Proposer(mode)  # ValueError for anything else
@@ -358,7 +446,8 @@ class SessionPolicy:
         if fixed_gamma is not None and mode != Proposer.AUTO:
             return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
         return self._chose(caps, self._explore(caps, fixed_gamma)
-                           or self._best(caps, fixed_gamma, ngram_order, load))
+                           or self._best(caps, fixed_gamma, ngram_order, load,
+                                         0 if fixed_gamma is not None else max_tree_nodes))
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
@@ -416,9 +505,9 @@ class SessionPolicy:
         return None
 
     def _best(self, caps: dict[Proposer, int], fixed_gamma: int | None, ngram_order: int = 0,
-              load: int = 1) -> Choice:
-        """The eligible source and γ with the largest estimated speedup; none when no source
-        beats plain decoding (with a fixed γ a source is always used)."""
+              load: int = 1, max_tree_nodes: int = 0) -> Choice:
+        """The eligible source and γ (a draft round: or tree) with the largest estimated speedup;
+        none when no source beats plain decoding (with a fixed γ a source is always used)."""
         options = []
         for source, cap in caps.items():
             alpha = (self.ngram_alpha(ngram_order) if source == Proposer.NGRAM else self.alpha(source)) or 0.0
@@ -428,8 +517,14 @@ class SessionPolicy:
             else:
                 costs = self.costs.relative_costs(source, min(cap, self.config.max_gamma), load)
                 gamma, speedup = _argmax_speedup(alpha, costs)
-            if gamma > 0:
-                options.append(Choice(source, gamma, "best", speedup))
+            best = Choice(source, gamma, "best", speedup) if gamma > 0 else None
+            if source == Proposer.DRAFT and max_tree_nodes > 0:  # a tree where it beats the chain
+                tree = self._best_tree(alpha, min(cap, self.config.max_gamma), min(max_tree_nodes, cap), load)
+                if tree is not None and tree.speedup > (best.speedup if best else 1.0) * (
+                        1.0 + self.config.tree_min_gain):
+                    best = tree
+            if best is not None:
+                options.append(best)
         if not options:
             return Choice(Proposer.NONE, 0, "best")
         top = max(options, key=lambda option: option.speedup)  # ties: the first (draft)
@@ -439,6 +534,18 @@ class SessionPolicy:
             # once it stops, it is probed soon (its α may have dipped on a few rounds)
             self.sources[top.source].clock.interval = self.config.lapsed_probe_interval
         return top
+
+    def _best_tree(self, alpha: float, max_depth: int, max_nodes: int, load: int) -> Choice | None:
+        """The draft tree (depth, nodes) with the largest estimated speedup (None: no budget fits)."""
+        b = self.branch_alpha(alpha)
+        best: Choice | None = None
+        for depth in range(1, max_depth + 1):
+            for nodes in tree_budgets(depth, max_nodes):
+                speedup = (tree_expected_tokens(alpha, b, depth, nodes)
+                           / self.costs.relative_tree_cost(depth, nodes, load))
+                if best is None or speedup > best.speedup:
+                    best = Choice(Proposer.DRAFT, depth, "best", speedup, tree_nodes=nodes)
+        return best
 
     def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
         """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""

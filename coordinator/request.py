@@ -36,7 +36,7 @@ class GenerationRequest:
     proposer: Proposer | str | None = None           # None = the coordinator's default
     cache_salt: str = ""                             # mixed into the services' K/V chunk keys
     top_logprobs: int | None = None                  # None: no log-probabilities; N: each token's and N more
-    tree_nodes: int = 0                              # draft rounds propose a tree of this many nodes (0: a chain)
+    tree_nodes: int = 0                              # draft rounds propose a tree of this many nodes (0: --trees, 1: chains)
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def request_limits(request: GenerationRequest, config: CoordinatorConfig,
                               f"got {len(request.cache_salt)}")
     check_top_logprobs(request.top_logprobs)
     if not 0 <= request.tree_nodes <= max_gamma:
-        raise InvalidArgument(f"tree_nodes must be in [0, {max_gamma}] (0: chains; the nodes a draft-model "
-                              f"round proposes as a tree), got {request.tree_nodes}")
+        raise InvalidArgument(f"tree_nodes must be in [0, {max_gamma}] (0: the coordinator's --trees, 1: chains; "
+                              f"the nodes a draft-model round proposes as a tree), got {request.tree_nodes}")
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
     return max_new, SpeculationMode(Proposer(name), gamma)

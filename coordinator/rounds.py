@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from specdec.fingerprint import PrefixHashes
 from specdec.rng import RequestRng
+from specdec.tree import TokenTree
 from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, TokenLogprobs, Verdict
 
 from coordinator.speculation import Plan, RequestSpeculation
@@ -44,7 +45,6 @@ class RequestRun:
     predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
     cache_salt: str = ""  # the request's: mixed into the services' K/V chunk keys
     top_logprobs: int | None = None  # the request's: None, or the alternatives per token the target returns
-    tree_nodes: int = 0  # draft rounds grow a tree of at most this many nodes (0: chains)
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)
@@ -99,6 +99,11 @@ class RoundResult:
     ahead: DraftAhead | None = None    # a draft round's --draft-ahead mode (None: not the trial's)
     seconds: float = 0.0               # the round's own time: plan, propose, verify (not the store write)
     parents: tuple[int, ...] = ()      # the drafts as a tree (as on the wire); (): a chain
+
+    @property
+    def tree(self) -> TokenTree | None:
+        """The drafts as a tree (None: a chain)."""
+        return TokenTree(tuple(self.drafts), self.parents) if self.parents else None
 
 
 @dataclass

@@ -14,6 +14,9 @@ forward and keeps where it agrees (so γ draft steps may propose more than γ to
 adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
 unsure of (draft_service/proposer.py), so γ is a ceiling the draft fills only where it is sure; after
 verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
+A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
+an adaptive request whose draft and target handle trees, the policy's choice of a tree over a
+chain (`auto_tree_budget`, policy.py); a tree round feeds back its spine and its alternatives.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec.types import Proposer
+from specdec.tree import TokenTree, tree_outcome
+from specdec.types import Proposer, Trees
 
 from coordinator.ngram import NgramProposer
 from coordinator.policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, ProbeClock, SessionPolicy
@@ -46,6 +50,9 @@ class FixedCosts(CostModel):
         c = self.cost_ratio if source == Proposer.DRAFT else 0.0
         return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
 
+    def relative_tree_cost(self, depth: int, nodes: int, load: int = 1) -> float:
+        return 1.0 + self.cost_ratio * depth  # a draft forward per depth; verification flat
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -58,6 +65,18 @@ class Plan:
     propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
     speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
     min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
+    tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain)
+
+
+def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair_grows_trees: bool,
+                     max_nodes: int) -> int:
+    """The most nodes the policy may give an adaptive draft round's tree (0: chains only): the
+    coordinator's --trees auto, a draft that grows trees and a target that verifies them, a
+    request that leaves tree_nodes unset (0; 1 asks for chains, 2+ for trees of that size) and
+    γ adaptive (a fixed γ stays a chain unless the request asks for a tree)."""
+    if trees != Trees.AUTO or requested != 0 or fixed_gamma is not None or not pair_grows_trees:
+        return 0
+    return max_nodes
 
 
 def is_governed(mode: Proposer, fixed_gamma: int | None) -> bool:
@@ -72,7 +91,7 @@ class RequestSpeculation:
     def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: Proposer,
                  fixed_gamma: int | None, priors: dict[Proposer, AcceptanceEstimate] | None = None,
                  draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, tree_nodes: int = 0, max_tree_nodes: int = 0) -> None:
         mode = Proposer(mode)  # ValueError for anything else
         self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
@@ -83,6 +102,8 @@ class RequestSpeculation:
         self.order_priors = order_priors if order_priors is not None else {}
         self._order = 0  # the match length of the planned n-gram round
         self.load = 1  # generations sharing the target (set by the engine before each plan)
+        self.tree_nodes = tree_nodes if tree_nodes > 1 else 0  # every draft round a tree of this many nodes
+        self.max_tree_nodes = 0 if self.tree_nodes else max_tree_nodes  # or the policy's, up to this many
 
     @property
     def uses_draft(self) -> bool:
@@ -102,11 +123,16 @@ class RequestSpeculation:
         self._order = self.ngram.last_order if candidates else 0
         choice = self.policy.choose(max_gamma=cap, ngram_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
-                                    fixed_gamma=self.fixed_gamma, ngram_order=self._order, load=self.load)
+                                    fixed_gamma=self.fixed_gamma, ngram_order=self._order, load=self.load,
+                                    max_tree_nodes=self.max_tree_nodes)
         if choice.source == Proposer.NGRAM:
             return Plan(Proposer.NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
                         time.perf_counter() - t0, choice.speedup)
         if choice.source == Proposer.DRAFT:
+            tree_nodes = self.tree_nodes or choice.tree_nodes
+            if tree_nodes:  # hints and the early stop go with chains
+                return Plan(Proposer.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
+                            tree_nodes=tree_nodes)
             hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
             return Plan(Proposer.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
                         min_confidence=self.min_confidence)
@@ -115,20 +141,29 @@ class RequestSpeculation:
     def describe(self, plan: Plan) -> str:
         """A round's plan with the estimates behind it, for the debug log."""
         alpha, ngram_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.ngram_alpha(self.ngram.last_order)
-        return (f"{plan.source} γ={plan.gamma} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
+        shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
+        return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
                 f"{_fmt(alpha)} ngram {_fmt(ngram_alpha)}; draft round of 4 costs "
                 f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load})")
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
-                verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None) -> None:
+                verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None,
+                tree: TokenTree | None = None, accepted_nodes: tuple[int, ...] = ()) -> None:
         """After a round: `source` proposed `proposed` tokens (0 when it fell back to plain
         decoding), `accepted` of them kept; a draft round's first `hints_kept` were hints it
         kept. A time of None leaves the round out of the timings (a catch-up prefill, a resend
         after a cache miss).
 
         The draft's α and step cost are about its own tokens: the kept hints are left out of
-        both (its own tokens were tried only when the target accepted every kept hint)."""
+        both (its own tokens were tried only when the target accepted every kept hint). A tree
+        (`tree`, the target's `accepted_nodes`) counts as the chain of its spine for α and the
+        draft's steps (one forward per depth), and its alternatives beside the spine node the
+        target rejected measure b (policy.branch_alpha)."""
+        if tree is not None and proposed:
+            outcome = tree_outcome(tree, accepted_nodes)
+            self.policy.observe_branches(outcome.alternatives_tried, outcome.alternatives_accepted)
+            proposed, accepted = outcome.spine_proposed, outcome.spine_accepted
         if proposed == 0:
             source = Proposer.NONE
         own, own_accepted = proposed - hints_kept, accepted - hints_kept
@@ -150,7 +185,7 @@ class Speculation:
 
     def __init__(self, max_gamma: int, default_gamma: int, ngram_max: int, ngram_max_tokens: int,
                  cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, trees: Trees = Trees.OFF) -> None:
         if ngram_max < 1 or ngram_max_tokens < 1:
             raise ValueError(f"need ngram_max >= 1 and ngram_max_tokens >= 1, got {ngram_max}, "
                              f"{ngram_max_tokens}")
@@ -170,6 +205,9 @@ class Speculation:
         self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's, per match length
         # when the draft is probed next, over the sessions that start from its coordinator-wide α
         self.draft_probe_clock = ProbeClock(self.config.probe_interval)
+        self.trees = Trees(trees)  # --trees: whether adaptive draft rounds may propose trees
+        # b over all sessions (an alternative's acceptance where the spine was rejected): the pair's
+        self.branch = AcceptanceEstimate(PRIOR_DECAY)
 
     def policy(self, session_id: str) -> SessionPolicy:
         """The session's policy (a fresh one for a session not seen, or forgotten; it starts from
@@ -177,7 +215,7 @@ class Speculation:
         policy = self._policies.get(session_id)
         if policy is None:
             policy = self._policies[session_id] = SessionPolicy(self.config, self.costs, self.priors[Proposer.DRAFT],
-                                                                self.draft_probe_clock)
+                                                                self.draft_probe_clock, self.branch)
             for source, prior in self.priors.items():
                 if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                     policy.seed(source, prior.alpha, PRIOR_WEIGHT)
@@ -192,10 +230,16 @@ class Speculation:
     def forget(self, session_id: str) -> None:
         self._policies.pop(session_id, None)
 
-    def start(self, session_id: str, mode: Proposer, fixed_gamma: int | None) -> RequestSpeculation:
+    def start(self, session_id: str, mode: Proposer, fixed_gamma: int | None, tree_nodes: int = 0,
+              pair_grows_trees: bool = False) -> RequestSpeculation:
+        """A request's planner. tree_nodes: the request's (0 unset, 1 chains, 2+ a tree of that
+        many nodes every draft round); pair_grows_trees: the draft grows trees and the target
+        verifies them (else every round is a chain)."""
         ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
+        budget = auto_tree_budget(self.trees, tree_nodes, fixed_gamma, pair_grows_trees, self.config.max_gamma)
         return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
-                                  self.draft_hints, self.order_priors, self.min_confidence)
+                                  self.draft_hints, self.order_priors, self.min_confidence,
+                                  tree_nodes if pair_grows_trees else 0, budget)
 
 
 def _fmt(value: float | None) -> str:

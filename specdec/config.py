@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any, Mapping, TypeVar
 
 from specdec.types import (Backend, CoreSharing, DiscoveryKind, DraftAhead, KVCacheType, Proposer, Quantization,
-                           RpcTransport)
+                           RpcTransport, Trees)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
@@ -160,6 +160,12 @@ class CoordinatorConfig(ServerTlsConfig):
                                       "gave less than this probability, so γ is a ceiling it fills "
                                       "only where it is sure (0 = always exactly γ; a fixed γ is "
                                       "always exactly γ)")
+    trees: str = opt("off", "auto: adaptive draft-model rounds propose a token tree instead of a chain "
+                     "where the cost model expects more tokens per second of it (a flat verify cost, "
+                     "an unsure draft; the draft must grow trees and the target verify them); off: "
+                     "chains, unless a request asks for a tree (tree_nodes); a request's tree_nodes "
+                     "= 1 turns trees off for it",
+                     choices_of(Trees))
     draft_ahead: str = opt("auto", "while a draft-model round is verified, ask the draft to go on past its "
                            "drafts (guessing the target's bonus token) for the next round; when the target "
                            "accepts them all and its bonus is the guess, the next round needs no draft "

@@ -35,6 +35,14 @@ class CoreSharing(StrEnum):
     NO = "no"
 
 
+class Trees(StrEnum):
+    """Whether adaptive draft-model rounds may propose token trees the cost model chooses
+    (--trees; a request's own tree_nodes holds either way)."""
+
+    AUTO = "auto"  # a tree where its expected tokens per second beat the best chain's
+    OFF = "off"    # chains, unless a request asks for a tree
+
+
 class DraftAhead(StrEnum):
     """Whether a draft-model round asks the draft to go on for the next round while it is
     verified (--draft-ahead)."""

@@ -40,7 +40,7 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
                           "(env SPECDEC_GENERATE_PROPOSER)")
     gen.add_argument("--tree-nodes", type=int, default=env_default("generate", "tree_nodes", 0),
                      help="draft-model rounds propose a tree of at most this many tokens, --gamma deep; "
-                          "0 = chains (env SPECDEC_GENERATE_TREE_NODES)")
+                          "0 = the coordinator decides (--trees), 1 = chains only (env SPECDEC_GENERATE_TREE_NODES)")
     gen.add_argument("--session", default=env_default("generate", "session", ""),
                      help="continue this session (env SPECDEC_GENERATE_SESSION)")
     gen.add_argument("--cache-salt", default=env_default("generate", "cache_salt", ""),

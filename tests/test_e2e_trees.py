@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from specdec.types import SamplingParams
+from specdec.types import Proposer, SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import PROMPTS, reference
@@ -89,3 +89,30 @@ def test_a_target_that_verifies_chains_only_gets_chains(models):
             assert list(response.token_ids) == expected[prompt]
             assert response.stats.draft_rounds > 0
         assert seen and not any(seen)  # no call carried a tree
+
+
+def test_auto_trees_where_costs_favour_them_equal_target_only(models):
+    """--trees auto with a pinned draft cost (flat verification: a tree's extra nodes are free)
+    and a pair whose draft α is unsure: adaptive requests get tree rounds, greedy output is the
+    target's own token for token, and a request's tree_nodes = 1 keeps its rounds chains."""
+    target = models["llama"]["target"]
+    prompts = PROMPTS[:2]
+    expected = reference(target, prompts, NEW_TOKENS)
+    with Cluster(models["llama"]["draft"], target,
+                 coordinator={"trees": "auto", "draft_cost_ratio": 0.01}) as cluster:
+        speculation = cluster.coordinator.engine.speculation
+        prior = speculation.priors[Proposer.DRAFT]
+        prior.successes, prior.trials, prior.rounds = 500.0, 1000.0, 100  # an unsure draft: α = 0.5
+        # whose next choices are often the target's (b = 0.25), pinned as the α: this tiny draft's
+        # are not, and the measured b would soon (rightly) bring the chains back
+        speculation.branch.successes, speculation.branch.trials = 250.0, 1000.0
+        for prompt in prompts:
+            auto = cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                    proposer=coordinator_pb2.PROPOSER_AUTO)
+            assert list(auto.token_ids) == expected[prompt]
+            assert auto.stats.tree_rounds > 0 and auto.stats.tree_draft_tokens > auto.stats.tree_rounds
+            assert sum(auto.stats.tree_accepted_per_depth[:1]) <= auto.stats.tree_rounds
+            chains = cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                      proposer=coordinator_pb2.PROPOSER_AUTO, tree_nodes=1)
+            assert list(chains.token_ids) == expected[prompt]
+            assert chains.stats.tree_rounds == 0 and chains.stats.draft_rounds > 0

@@ -58,11 +58,9 @@ class DraftModel(ProposalSource):
         lacking, misses = rnd.base - min(record.draft.held, rnd.base - 1), stats.cache_misses
         t0 = time.perf_counter()
         proposal = None
-        tree_nodes = run.tree_nodes if run.tree_nodes > 1 else 0  # one node is a chain
-        try:
-            proposal = await self.calls.propose(run, plan.gamma, rnd.params, rnd.draft_seed,
-                                                None if tree_nodes else plan.tokens,  # hints go with chains
-                                                0.0 if tree_nodes else plan.min_confidence, tree_nodes)
+        try:  # a tree's plan carries no hints and no early stop (they go with chains)
+            proposal = await self.calls.propose(run, plan.gamma, rnd.params, rnd.draft_seed, plan.tokens,
+                                                plan.min_confidence, plan.tree_nodes)
         except DRAFT_FAILURES as exc:
             self.routes.failed(Tier.DRAFT, record.draft.address)  # its sessions move
             stats.fallback_rounds += 1
