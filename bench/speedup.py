@@ -7,6 +7,7 @@ Usage:
   python bench/speedup.py --threads 1 --draft-ahead on     # draft and target on a core each
   python bench/speedup.py --no-hf --draft-model D.gguf --target-model T.gguf --llama-server PATH
   python bench/speedup.py --tree on                        # token-tree rows beside the chains
+  python bench/speedup.py --tree auto                      # the coordinator's --trees auto: the policy chooses
 
 Ten chat prompts in five kinds (bench/prompts.py), greedy, --max-new-tokens (default 128)
 each, EOS ignored so every method generates the same number of tokens. Side by side in one
@@ -31,7 +32,10 @@ the critical path, so the c reported (the draft's time per drafted token on the 
 falls and its Leviathan bound no longer describes the run. Before the suite, --settle N
 adaptive requests of --max-new-tokens run on the first prompt (default 3), so auto's
 measurements (the cost model, the draft-ahead verdict) describe a coordinator that has run a
-while, as a serving one has.
+while, as a serving one has. --tree on adds rows of fixed token trees (tree γ=G n=N) and auto
+with trees of 8 nodes; --tree auto starts the coordinator with --trees auto, so auto's rounds
+are trees where its cost model expects them to pay, beside auto held to chains (tree_nodes=1).
+Each prompt's line and the second table give tokens per target pass beside the speed-up.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ QUICK_DRAFT_GAMMAS = (2, 4)
 TREES = ((2, 4), (4, 8), (4, 12))  # (γ: depth, tree_nodes) of the --tree on rows
 QUICK_TREES = ((2, 4), (4, 8))
 AUTO_TREE_NODES = 8  # auto's rows with --tree on: adaptive γ, trees of this many tokens
+AUTO_CHAINS = f"{report.AUTO} chains"  # --tree auto: auto held to chains (tree_nodes = 1), beside auto
 
 
 def specdec_methods(quick: bool, tree: str = "off") -> dict[str, dict]:
@@ -78,6 +83,8 @@ def specdec_methods(quick: bool, tree: str = "off") -> dict[str, dict]:
                 "proposer": pb.PROPOSER_DRAFT, "num_speculative_tokens": gamma, "tree_nodes": nodes}
         out[f"{report.AUTO}+tree{AUTO_TREE_NODES}"] = {"proposer": pb.PROPOSER_AUTO,
                                                     "tree_nodes": AUTO_TREE_NODES}
+    if tree == "auto":  # the coordinator runs --trees auto: auto's own row chooses trees
+        out[AUTO_CHAINS] = {"proposer": pb.PROPOSER_AUTO, "tree_nodes": 1}
     return out
 
 
@@ -122,7 +129,8 @@ def model_paths(args) -> tuple[str, str]:
 
 def start_services(draft: str, target: str, args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "SPECDEC_COORDINATOR_DRAFT_AHEAD": args.draft_ahead}
+           "SPECDEC_COORDINATOR_DRAFT_AHEAD": args.draft_ahead,
+           "SPECDEC_COORDINATOR_TREES": "auto" if args.tree == "auto" else "off"}
     command = [sys.executable, "-m", "specdec_cli", "up", "--port", str(args.port), "--dtype", args.dtype,
                "--device", args.device, "--draft-model", draft, "--target-model", target,
                "--draft-quantize", args.draft_quantize, "--http-port", "0"]
@@ -159,8 +167,10 @@ def main() -> int:
                         help="the coordinator's --draft-ahead (the draft works while the target verifies)")
     parser.add_argument("--settle", type=int, default=3,
                         help="adaptive requests run before the suite, so auto's measurements have settled")
-    parser.add_argument("--tree", default="off", choices=("off", "on"),
-                        help="on: rows of draft rounds proposing token trees (tree γ=G n=N) and auto with trees")
+    parser.add_argument("--tree", default="off", choices=("off", "on", "auto"),
+                        help="on: rows of draft rounds proposing token trees (tree γ=G n=N) and auto with trees; "
+                             "auto: the coordinator's --trees auto (auto's rounds are trees where they pay), "
+                             "beside auto held to chains")
     parser.add_argument("--llama-server", default="",
                         help="a llama-server binary: llama.cpp's server on the same GGUF files, plain and "
                              "with the draft, as peers (ports --port+3, --port+4)")
@@ -223,8 +233,11 @@ def main() -> int:
                 summary = report.analyse_prompt(runs)
                 results.append({"name": prompt.name, "kind": prompt.kind, "prompt_tokens": len(ids),
                                 "summary": summary, "runs": runs})
+                auto = runs[report.AUTO]
                 print(f"{prompt.name}: target-only {summary['target_only_tps']:.2f} tok/s, auto "
-                      f"{runs[report.AUTO]['speedup']:.2f}x", flush=True)
+                      f"{auto['speedup']:.2f}x at {auto['stats']['tokens_per_round']:.2f} tokens per target pass "
+                      f"({auto['stats'].get('tree_rounds', 0)} of {auto['stats']['rounds']} rounds trees)",
+                      flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -238,7 +251,7 @@ def main() -> int:
     document = {"draft_model": draft_path, "target_model": target_path, "dtype": args.dtype,
                 "draft_quantize": args.draft_quantize,
                 "device": args.device, "threads": args.threads, "draft_ahead": args.draft_ahead,
-                "settle": args.settle,
+                "tree": args.tree, "settle": args.settle,
                 "max_new_tokens": args.max_new_tokens, "llama_server": args.llama_server,
                 "repeats": args.repeats,
                 "tiny": args.tiny, "quick": args.quick, "methods": method_names, "overall": totals,
