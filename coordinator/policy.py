@@ -261,29 +261,23 @@ class CostModel:
         """(t_propose(depth) + t_verify(load·(nodes + 1))) / t_verify(load): a draft round growing a
         tree of `nodes` nodes (one draft forward per depth) in plain-decode steps. Unmeasured:
         as `relative_cost` for the draft's `depth` steps (verification flat)."""
-        verify, propose = self.verify.coefficients(), self.propose[Proposer.DRAFT].coefficients()
-        load = max(1, load)
-        t1 = None if verify is None else verify[0] + verify[1] * load
-        if t1 is None or t1 <= 0:
-            return 1.0 + self.default_cost_ratio * depth
-        t_propose = (self.default_cost_ratio * depth * t1 if propose is None
-                     else propose[0] + propose[1] * depth)
-        return (t_propose + verify[0] + verify[1] * load * (nodes + 1)) / t1
+        return self._relative(Proposer.DRAFT, [(depth, nodes + 1)], load)[0]
 
     def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
         """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""
+        return [1.0] + self._relative(source, [(gamma, gamma + 1) for gamma in range(1, max_gamma + 1)], load)
+
+    def _relative(self, source: Proposer, rounds: list[tuple[int, int]], load: int) -> list[float]:
+        """Per (proposal steps, verified tokens) of a round, (t_propose(steps) +
+        t_verify(load·verified)) / t_verify(load), the fits solved once."""
         verify, propose = self.verify.coefficients(), self.propose[source].coefficients()
         load = max(1, load)
         t1 = None if verify is None else verify[0] + verify[1] * load
         default = self.default_cost_ratio if source == Proposer.DRAFT else 0.0
-        costs = [1.0]
-        for gamma in range(1, max_gamma + 1):
-            if t1 is None or t1 <= 0:
-                costs.append(1.0 + default * gamma)
-                continue
-            t_propose = default * gamma * t1 if propose is None else propose[0] + propose[1] * gamma
-            costs.append((t_propose + verify[0] + verify[1] * load * (gamma + 1)) / t1)
-        return costs
+        if t1 is None or t1 <= 0:
+            return [1.0 + default * steps for steps, _ in rounds]
+        return [((default * steps * t1 if propose is None else propose[0] + propose[1] * steps)
+                 + verify[0] + verify[1] * load * verified) / t1 for steps, verified in rounds]
 
 
 @dataclass(frozen=True)
