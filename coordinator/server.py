@@ -51,7 +51,8 @@ def shared_vocab_size(draft: ModelDescription, target: ModelDescription) -> int:
 
 def check_compatible(draft: ModelDescription, target: ModelDescription, tokenizer_fp: str) -> None:
     """Draft, target and the coordinator's tokenizer must agree on every id both models can emit
-    (the fingerprints are over ids < shared_vocab_size), and the models on their eos ids."""
+    (the fingerprints are over ids < shared_vocab_size), and the models must share an eos id.
+    Only the target's eos ids end generation, so the two sets may differ otherwise."""
     shared = shared_vocab_size(draft, target)
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise StartupError(
@@ -62,11 +63,16 @@ def check_compatible(draft: ModelDescription, target: ModelDescription, tokenize
             f"(output size {target.vocab_size}, fingerprint {target.tokenizer_fingerprint[:12]}); "
             f"some id below {shared} means different tokens to them: "
             "pick a draft model from the target's family")
-    if set(draft.eos_token_ids) != set(target.eos_token_ids):
+    draft_eos, target_eos = set(draft.eos_token_ids), set(target.eos_token_ids)
+    if not draft_eos & target_eos:
         raise StartupError(
-            f"draft {draft.model_id!r} ends generation on eos ids {sorted(draft.eos_token_ids)}, "
-            f"target {target.model_id!r} on {sorted(target.eos_token_ids)}: they must agree; "
+            f"draft {draft.model_id!r} ends generation on eos ids {sorted(draft_eos)}, "
+            f"target {target.model_id!r} on {sorted(target_eos)}: they share none; "
             "pick a draft model from the target's family")
+    if draft_eos != target_eos:  # e.g. llama.cpp's end-of-generation set beside a checkpoint's eos
+        log.info("draft %r ends generation on eos ids %s, target %r on %s: generation ends on the "
+                 "target's (the draft's are not used)", draft.model_id, sorted(draft_eos),
+                 target.model_id, sorted(target_eos))
     if tokenizer_fp != target.tokenizer_fingerprint:
         raise StartupError(
             f"the coordinator's tokenizer (fingerprint {tokenizer_fp[:12]}) differs from the target's "

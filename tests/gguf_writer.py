@@ -15,7 +15,9 @@ def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_llama_gguf(model_dir: str | Path, out: str | Path) -> Path:
+def write_llama_gguf(model_dir: str | Path, out: str | Path, eot_token_id: int | None = None) -> Path:
+    """eot_token_id: an end-of-turn id, which llama.cpp adds to the ids that end generation (as a
+    real chat model's GGUF does), beside the checkpoint's eos."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -50,6 +52,8 @@ def write_llama_gguf(model_dir: str | Path, out: str | Path) -> Path:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_bos_token_id(config["eos_token_id"])
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import grpc
 import pytest
@@ -119,14 +120,41 @@ def test_permuted_vocabulary_is_refused(mixed_pair, tmp_path):
     assert "384 tokens" in message and "385 tokens" in message
 
 
+def _with_eos(draft: Path, eos_ids: list[int], tokenizer_eos: str | None = None) -> Path:
+    """The checkpoint's generation config ends on eos_ids (and its tokenizer on tokenizer_eos)."""
+    generation = draft / "generation_config.json"
+    config = json.loads(generation.read_text())
+    config["eos_token_id"] = eos_ids
+    generation.write_text(json.dumps(config))
+    if tokenizer_eos is not None:
+        tokenizer_config = json.loads((draft / "tokenizer_config.json").read_text())
+        tokenizer_config["eos_token"] = tokenizer_eos
+        (draft / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return draft
+
+
 @pytest.mark.service
 def test_eos_disagreement_is_refused(mixed_pair, tmp_path):
     _, target, tokenizer = mixed_pair
-    draft = tiny.build_model(tmp_path / "other-eos", tokenizer, "gpt2", seed=34, layers=1)
-    generation = draft / "generation_config.json"
-    config = json.loads(generation.read_text())
-    config["eos_token_id"] = [0, 7]
-    generation.write_text(json.dumps(config))
+    draft = _with_eos(tiny.build_model(tmp_path / "other-eos", tokenizer, "gpt2", seed=34, layers=1), [7],
+                      tokenizer.convert_ids_to_tokens(7))
     message = _startup_error(str(draft), target)
-    assert "eos ids [0, 7]" in message and "on [0]" in message
+    assert "eos ids [7]" in message and "on [0]" in message and "share none" in message
     assert repr(str(draft)) in message and repr(target) in message
+
+
+@pytest.mark.e2e
+def test_a_draft_with_more_eos_ids_is_accepted_and_only_the_targets_end_generation(mixed_pair, tmp_path):
+    """A draft that also ends on a token the target emits (as llama.cpp's end-of-generation set
+    adds ids to a checkpoint's eos) is accepted, and that token ends nothing."""
+    _, target, tokenizer = mixed_pair
+    expected = reference(target, [PROMPTS[0]], NEW_TOKENS)[PROMPTS[0]]
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    stop = expected.index(eos) + 1 if eos in expected else NEW_TOKENS
+    extra = expected[0]
+    assert extra != eos and stop > 1
+    draft = _with_eos(tiny.build_model(tmp_path / "more-eos", tokenizer, "gpt2", seed=35, layers=1),
+                      [eos, extra])
+    with Cluster(str(draft), target) as cluster:
+        reply = cluster.complete(prompt=PROMPTS[0], max_new_tokens=NEW_TOKENS, num_speculative_tokens=3)
+    assert list(reply.token_ids) == expected[:stop]

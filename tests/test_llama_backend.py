@@ -4,8 +4,8 @@ Tiny random Llama checkpoints written as float32 GGUF files; every service runs 
 llama-cpp-python. Greedy speculative output equals greedy target-only output through the same
 engine, token for token, alone and batched; sampled output follows the target's distribution
 (computed from the llama.cpp target's own logits); rollback, eviction and cache misses; and a
-mixed deployment (a torch draft, a llama.cpp target) accepted when the vocabularies agree and
-refused when they do not.
+mixed deployment (a torch draft and a llama.cpp target, or the other way round) accepted when
+the vocabularies agree and refused when they do not.
 """
 
 from __future__ import annotations
@@ -239,6 +239,23 @@ def test_torch_draft_with_llama_cpp_target_is_exact(models, gguf_pair, llama_pai
                                       num_speculative_tokens=3, ignore_eos=True)
             assert list(response.token_ids) == list(expected.token_ids)
             assert response.stats.draft_tokens > 0
+
+
+@pytest.mark.e2e
+def test_llama_cpp_draft_with_torch_target_is_exact(models, tmp_path):
+    """The other mixed deployment: the draft on llama.cpp, the target on torch. The GGUF marks an
+    end-of-turn id, so llama.cpp's end-of-generation set is larger than the target's eos ids (as
+    with the real Qwen pair's files): accepted, and only the target's ids end generation."""
+    draft = str(write_llama_gguf(models["llama"]["draft"], tmp_path / "draft.gguf", eot_token_id=7))
+    with Cluster(draft, models["llama"]["target"], dtype="float32", draft=LLAMA) as mixed:
+        for prompt in PROMPTS[:2]:
+            expected = mixed.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=NONE, ignore_eos=True)
+            response = mixed.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=DRAFT,
+                                      num_speculative_tokens=3, ignore_eos=True)
+            assert list(response.token_ids) == list(expected.token_ids)
+            assert response.stats.draft_tokens > 0
+        draft_eos = set(mixed.draft_servicer.proposer.runner.description.eos_token_ids)
+    assert 7 in draft_eos and len(draft_eos) >= 2
 
 
 @pytest.mark.service
