@@ -18,6 +18,7 @@ from specdec.types import (Backend, CoreSharing, DiscoveryKind, DraftAhead, KVCa
                            RpcTransport, Trees)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+TARGET_QUANTIZATIONS = (Quantization.NONE.value, Quantization.INT8.value, Quantization.INT4.value)  # no auto
 
 C = TypeVar("C")
 
@@ -94,13 +95,18 @@ class DraftConfig(ModelServiceConfig):
     proposal_top_k: int = opt(32, "the draft samples from its top-K truncated distribution (K)")
     quantize: str = opt("auto", "weights of the draft's linear layers: int8 (weight-only int8, CPU "
                         "only: shorter draft steps; its proposals change a little, the output does "
-                        "not), none, or auto (int8 on a CPU in bfloat16/float16/float32, else none)",
+                        "not), int4 (weight-only 4-bit in groups of 32, CPU only), none, or auto (int8 on "
+                        "a CPU in bfloat16/float16/float32, else none)",
                         choices_of(Quantization))
 
 
 @dataclass(frozen=True)
 class TargetConfig(ModelServiceConfig):
     """Config of the target service."""
+
+    quantize: str = opt("none", "weights of the target's linear layers: none, or, as an explicit choice, "
+                        "int8 or int4 (weight-only, CPU only: shorter steps, but the model served is "
+                        "then the quantized one, and so is the output)", TARGET_QUANTIZATIONS)
 
 
 @dataclass(frozen=True)

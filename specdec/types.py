@@ -53,11 +53,12 @@ class DraftAhead(StrEnum):
 
 
 class Quantization(StrEnum):
-    """The draft's linear layers (--quantize)."""
+    """A model's linear layers (--quantize): the draft's, or, as an explicit choice, the target's."""
 
-    AUTO = "auto"  # INT8 on a CPU in a 16- or 32-bit float dtype, else NONE
+    AUTO = "auto"  # INT8 on a CPU in a 16- or 32-bit float dtype, else NONE (drafts only)
     NONE = "none"  # as the checkpoint's dtype
     INT8 = "int8"  # weight-only int8 (CPU only)
+    INT4 = "int4"  # weight-only 4-bit in groups of 32 inputs (CPU only)
 
 
 class Backend(StrEnum):

@@ -1,13 +1,14 @@
-"""A draft with weight-only int8 linear layers (--quantize int8): the same output, close logits."""
+"""Weight-only int8 / int4 linear layers (--quantize): a quantized draft keeps the output, a
+quantized target serves exactly its own (quantized) greedy output."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec.config import DraftConfig
+from specdec.config import DraftConfig, TargetConfig
 from specdec.runtime.loader import ModelLoadError, load_model
-from specdec.runtime.quantize import Int8Linear
+from specdec.runtime.quantize import Int4Linear, Int8Linear
 from specdec.runtime.engines import runner_from_config
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -63,7 +64,9 @@ def test_int8_is_cpu_only_and_unknown_quantizations_are_refused(models):
     with pytest.raises(ModelLoadError, match="CPU only"):
         runner_from_config(DraftConfig(model=models["llama"]["draft"], device="cuda", quantize="int8"))
     with pytest.raises(ModelLoadError, match="unknown quantization"):
-        load_model(models["llama"]["draft"], "float32", quantize="int4")
+        load_model(models["llama"]["draft"], "float32", quantize="int3")
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        runner_from_config(TargetConfig(model=models["llama"]["target"], device="cuda", quantize="int4"))
 
 
 @pytest.mark.unit
@@ -77,3 +80,45 @@ def test_auto_quantizes_a_cpu_draft_unless_float64():
     assert resolve_quantization("none", "cpu", "bfloat16") == "none"
     with pytest.raises(ValueError, match="CPU only"):
         resolve_quantization("int8", "cuda", "bfloat16")
+
+
+@pytest.mark.unit
+def test_int4_linear_is_the_grouped_4_bit_weights_product():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    quantized = Int4Linear(linear, group_size=32)
+    x = torch.randn(3, 5, 64)  # [batch, tokens, in]
+    groups = linear.weight.detach().reshape(48, 2, 32)  # [out, groups, size]
+    scale = quantized.scales_and_zeros[..., 0].T[..., None]  # [out, groups, 1]
+    low = quantized.scales_and_zeros[..., 1].T[..., None] - 8 * scale  # [out, groups, 1]
+    dequantized = (torch.round((groups - low) / scale).clamp(0, 15) * scale + low).reshape(48, 64)  # [out, in]
+    assert torch.allclose(quantized(x), x @ dequantized.T + linear.bias, atol=1e-4)
+    # 16 levels between each group's least and greatest weight: within half a step of the original
+    assert bool(((dequantized - linear.weight).abs().reshape(48, 2, 32) <= scale / 2 + 1e-6).all())
+    assert torch.equal(quantized(x)[1], quantized(x[1:2])[0])  # rows do not interact
+
+
+@pytest.mark.unit
+def test_a_target_is_quantized_only_when_asked(models):
+    assert TargetConfig().quantize == "none"
+    plain = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype="bfloat16"))
+    assert not any(isinstance(m, (Int8Linear, Int4Linear)) for m in plain.model.modules())
+    runner = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype="bfloat16", quantize="int4"))
+    linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+    assert linears and all(isinstance(m, Int4Linear) for m in linears)
+    assert runner.kv_spec is not None  # the batched-forward start-up check passed
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_quantized_target_serves_its_own_greedy_output(models, quantize):
+    """Speculation over a quantized target gives what that target alone gives (float32: the
+    kernels take no float64)."""
+    paths = models["llama"]
+    with Cluster(paths["draft"], paths["target"], target={"quantize": quantize}) as cluster:
+        for prompt in PROMPTS:
+            alone, speculative = (cluster.complete(prompt=prompt, max_new_tokens=24, ignore_eos=True,
+                                                   proposer=proposer, num_speculative_tokens=4)
+                                  for proposer in (coordinator_pb2.PROPOSER_NONE, coordinator_pb2.PROPOSER_DRAFT))
+            assert list(speculative.token_ids) == list(alone.token_ids), (quantize, prompt)
+            assert speculative.stats.draft_rounds > 0 and alone.stats.draft_rounds == 0

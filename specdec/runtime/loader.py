@@ -36,12 +36,12 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
                trust_remote_code: bool = False, quantize: str = Quantization.NONE) -> LoadedModel:
     """Load model + tokenizer through transformers' Auto classes.
 
-    quantize "int8": weight-only int8 linear layers (specdec/runtime/quantize.py), CPU only;
-    activations and K/V stay in `dtype` (float32 for a float64 request: the kernel takes
-    16- and 32-bit floats). "auto": int8 on a CPU in a 16/32-bit dtype, else none."""
+    quantize "int8" / "int4": weight-only int8 or int4 linear layers (specdec/runtime/quantize.py),
+    CPU only; activations and K/V stay in `dtype` (float32 for a float64 request: the kernels
+    take 16- and 32-bit floats). "auto": int8 on a CPU in a 16/32-bit dtype, else none."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.runtime.quantize import quantize_int8, resolve_quantization
+    from specdec.runtime.quantize import CPU_ONLY, quantize_linears, resolve_quantization
 
     if not spec:
         raise ModelLoadError("no model given: pass --model DIR|HUB_ID|FILE.gguf")
@@ -51,8 +51,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         quantize = resolve_quantization(quantize, device, dtype)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    if quantize == Quantization.INT8 and dtype == "float64":
-        log.info("--quantize int8: %s runs in float32 (the int8 kernel takes no float64)", spec)
+    if quantize in CPU_ONLY and dtype == "float64":
+        log.info("--quantize %s: %s runs in float32 (the kernel takes no float64)", quantize, spec)
         dtype = "float32"
     source, extra = model_source(spec)
     torch_dtype = TORCH_DTYPES[dtype]
@@ -65,9 +65,10 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     target_device = torch.device(device)
     model = model.to(device=target_device, dtype=torch_dtype).eval()
-    if quantize == Quantization.INT8:
-        model = quantize_int8(model)
-    log.info("loaded %s (%s%s on %s)", spec, dtype, ", int8 linears" if quantize == Quantization.INT8 else "", target_device)
+    if quantize in CPU_ONLY:
+        model = quantize_linears(model, quantize)
+    linears = f", {quantize} linears" if quantize in CPU_ONLY else ""
+    log.info("loaded %s (%s%s on %s)", spec, dtype, linears, target_device)
     return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
 
 
