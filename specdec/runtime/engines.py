@@ -57,7 +57,7 @@ def runner_from_config(config) -> SessionRunner:
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
-                        getattr(config, "quantize", Quantization.NONE))
+                        getattr(config, "quantize", Quantization.NONE), config.prepack)
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
     runner = ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
     runner.kv_tier = kv_tier_for(runner, config)

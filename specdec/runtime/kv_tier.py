@@ -205,6 +205,8 @@ def weights_digest(model: torch.nn.Module) -> str:
             digest.update(f"{name}={tensor!r};".encode())
             continue
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        if tensor.is_mkldnn:  # a weight prepacked for oneDNN (prepack.py): its values, in plain layout
+            tensor = tensor.to_dense()
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
     return digest.hexdigest()

@@ -33,14 +33,19 @@ class LoadedModel:
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
-               trust_remote_code: bool = False, quantize: str = Quantization.NONE) -> LoadedModel:
+               trust_remote_code: bool = False, quantize: str = Quantization.NONE,
+               prepack: bool = False) -> LoadedModel:
     """Load model + tokenizer through transformers' Auto classes.
+
+    prepack: a bfloat16 model's linear weights reordered once for oneDNN where this CPU takes it
+    (specdec/runtime/prepack.py): the same products, faster; a quantized model is not touched.
 
     quantize "int8" / "int4": weight-only int8 or int4 linear layers (specdec/runtime/quantize.py),
     CPU only; activations and K/V stay in `dtype` (float32 for a float64 request: the kernels
     take 16- and 32-bit floats). "auto": int8 on a CPU in a 16/32-bit dtype, else none."""
     from transformers import AutoModelForCausalLM
 
+    from specdec.runtime.prepack import packing_available, prepack_linears
     from specdec.runtime.quantize import CPU_ONLY, quantize_linears, resolve_quantization
 
     if not spec:
@@ -67,7 +72,12 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
     model = model.to(device=target_device, dtype=torch_dtype).eval()
     if quantize in CPU_ONLY:
         model = quantize_linears(model, quantize)
-    linears = f", {quantize} linears" if quantize in CPU_ONLY else ""
+    packed = prepack and quantize == Quantization.NONE and packing_available(target_device, torch_dtype)
+    if packed:
+        model = prepack_linears(model)
+    elif prepack and quantize == Quantization.NONE and torch_dtype == torch.bfloat16 and target_device.type == "cpu":
+        log.info("--prepack: oneDNN here takes no packed bfloat16 linear; %s runs unpacked", spec)
+    linears = f", {quantize} linears" if quantize in CPU_ONLY else ", oneDNN-packed linears" if packed else ""
     log.info("loaded %s (%s%s on %s)", spec, dtype, linears, target_device)
     return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
 
