@@ -4,6 +4,7 @@ versioned appends, long sessions, TTL, auth, TLS."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import threading
 import time
@@ -25,6 +26,16 @@ from tests.redis_server import RedisServer
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@contextlib.asynccontextmanager
+async def _replicas(url: str, **options):
+    """Two coordinators' stores on one Redis, closed at the end."""
+    stores = [RedisSessionStore(url, **options) for _ in range(2)]
+    try:
+        yield stores
+    finally:
+        await asyncio.gather(*(store.close() for store in stores))
 
 
 async def _roundtrip(store: RedisSessionStore):
@@ -93,16 +104,11 @@ def test_lease_is_exclusive_across_stores(redis_url):
 @pytest.mark.service
 def test_lease_expires_without_progress(redis_url):
     async def body():
-        a = RedisSessionStore(redis_url, lease_ttl_s=0.2)
-        b = RedisSessionStore(redis_url, lease_ttl_s=0.2)
-        try:
+        async with _replicas(redis_url, lease_ttl_s=0.2) as (a, b):
             record = await a.create()
             await a.acquire(record.session_id)
             await asyncio.sleep(0.4)
             await b.acquire(record.session_id)  # a stalled request does not block a session forever
-        finally:
-            await a.close()
-            await b.close()
     run(body())
 
 
@@ -114,9 +120,7 @@ def _as_if_killed(store: RedisSessionStore) -> None:
 @pytest.mark.service
 def test_a_killed_coordinators_lease_is_taken_over_once_its_liveness_lapses(redis_url):
     async def body():
-        a = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.6)
-        b = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.6)
-        try:
+        async with _replicas(redis_url, lease_ttl_s=60, holder_ttl_s=0.6) as (a, b):
             record = await a.create()
             held = await a.acquire(record.session_id)
             _as_if_killed(a)
@@ -131,18 +135,13 @@ def test_a_killed_coordinators_lease_is_taken_over_once_its_liveness_lapses(redi
             with pytest.raises(FailedPrecondition, match="taken over"):
                 await a.save(held.record, held)
             assert (await b.get(record.session_id)).token_ids == [5]
-        finally:
-            await a.close()
-            await b.close()
     run(body())
 
 
 @pytest.mark.service
 def test_a_live_coordinators_lease_is_never_taken_over(redis_url):
     async def body():
-        a = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.3)
-        b = RedisSessionStore(redis_url, lease_ttl_s=60, holder_ttl_s=0.3)
-        try:
+        async with _replicas(redis_url, lease_ttl_s=60, holder_ttl_s=0.3) as (a, b):
             record = await a.create()
             await a.acquire(record.session_id)
             for _ in range(4):  # four liveness lifetimes: a keeps refreshing its key
@@ -150,9 +149,6 @@ def test_a_live_coordinators_lease_is_never_taken_over(redis_url):
                 with pytest.raises(SessionBusy) as busy:
                     await b.acquire(record.session_id)
                 assert 0 < busy.value.retry_after_s <= 0.3
-        finally:
-            await a.close()
-            await b.close()
     run(body())
 
 
@@ -196,9 +192,7 @@ def test_closing_a_store_frees_its_sessions_at_once(redis_url):
 @pytest.mark.service
 def test_a_release_while_redis_is_down_is_made_when_it_is_back(own_redis):
     async def body():
-        a = RedisSessionStore(own_redis.url, lease_ttl_s=60, holder_ttl_s=30, socket_timeout_s=1)
-        b = RedisSessionStore(own_redis.url, lease_ttl_s=60, holder_ttl_s=30, socket_timeout_s=1)
-        try:
+        async with _replicas(own_redis.url, lease_ttl_s=60, holder_ttl_s=30, socket_timeout_s=1) as (a, b):
             record = await a.create()
             lease = await a.acquire(record.session_id)
             own_redis.stop()
@@ -209,9 +203,6 @@ def test_a_release_while_redis_is_down_is_made_when_it_is_back(own_redis):
                 assert time.monotonic() < deadline, "the lease was not released once Redis was back"
                 await asyncio.sleep(0.1)
             await b.acquire(record.session_id)  # free long before the 60 s lease would lapse
-        finally:
-            await a.close()
-            await b.close()
     run(body())
 
 
@@ -353,9 +344,7 @@ def test_memory_store_leases_are_per_request():
 @pytest.mark.service
 def test_renewal_keeps_the_lease_past_its_ttl(redis_url):
     async def body():
-        a = RedisSessionStore(redis_url, lease_ttl_s=0.3)
-        b = RedisSessionStore(redis_url, lease_ttl_s=0.3)
-        try:
+        async with _replicas(redis_url, lease_ttl_s=0.3) as (a, b):
             record = await a.create()
             lease = await a.acquire(record.session_id)
             for _ in range(10):  # 1 s, three lease lifetimes
@@ -363,9 +352,6 @@ def test_renewal_keeps_the_lease_past_its_ttl(redis_url):
                 await a.renew(lease)
             with pytest.raises(FailedPrecondition, match="generating in another request"):
                 await b.acquire(record.session_id)
-        finally:
-            await a.close()
-            await b.close()
     run(body())
 
 
