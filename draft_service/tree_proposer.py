@@ -24,10 +24,8 @@ import torch
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.sampling import proposal_top_k
-from specdec.tree import TokenTree, subtree
+from specdec.tree import TREE_WIDTH, TokenTree, subtree
 from specdec.types import Proposal, SamplingParams, SparseDist
-
-TREE_WIDTH = 4  # candidates a depth keeps (and children a node may have)
 
 
 @dataclass
