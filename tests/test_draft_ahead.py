@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from coordinator.draft_ahead_trial import DraftAheadTrial
+from coordinator.speculation import FixedCosts
 from specdec.runtime.loader import load_model
 from specdec.sampling import target_probs
 from specdec.types import SamplingParams
@@ -80,7 +81,11 @@ def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
     coordinator = {**AHEAD, "draft_ahead": "auto", "max_num_speculative_tokens": 4,  # many rounds
                    "tiers_share_cores": "no"}  # as if on separate cores: auto measures
     with Cluster(target, target, coordinator=coordinator) as cluster:
-        cluster.coordinator.engine.draft_model.trial = DraftAheadTrial(epoch_rounds=2, min_pairs=10**6, max_pairs=10**6)
+        engine = cluster.coordinator.engine
+        engine.draft_model.trial = DraftAheadTrial(epoch_rounds=2, min_pairs=10**6, max_pairs=10**6)
+        # the policy prices the draft as cheap: the target as its own draft costs a target step,
+        # and measured it would (rightly, on timing noise) drop to rounds with no draft at all
+        engine.speculation.costs = FixedCosts(0.2)
         calls = rounds = 0
         for ids in IDS_PROMPTS:
             response = cluster.complete(token_ids=ids, max_new_tokens=40, ignore_eos=True,
@@ -117,6 +122,7 @@ def test_auto_never_drafts_ahead_on_shared_cores(small_vocab_models):
     for setting, ahead in (("auto", False), ("on", True)):
         with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": setting}) as cluster:
             assert not cluster.coordinator.engine.draft_model.beside_verification
+            cluster.coordinator.engine.speculation.costs = FixedCosts(0.2)  # speculating pays (as above)
             response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
                                         proposer=proposer("draft"))
             assert list(response.token_ids) == target_only(target, IDS_PROMPTS[0], 30)
