@@ -32,7 +32,7 @@ match length n as well, and a round uses the estimate for the n it matched once 
 The draft's acceptance belongs to the pair more than to the session, and a session's own
 estimate, forgetting per round, dips after a few rejections in a row; so once the
 coordinator-wide draft α has warmed up, a session's draft α keeps `draft_prior_weight` trials
-of it (prompt lookup's stays the session's own: a rewrite and new text differ by far).
+of it, once (prompt lookup's stays the session's own: a rewrite and new text differ by far).
 
 Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
 `default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
@@ -366,12 +366,18 @@ class SessionPolicy:
         a row, and a weak prompt lookup would then take the rounds that follow. Prompt lookup's α is the session's own: it differs by far
         between a rewrite and new text."""
         own = self.sources[source].acceptance
-        prior = self.draft_prior if source == Proposer.DRAFT else None
-        if (prior is None or prior.alpha is None or prior.rounds < self.config.warmup_rounds
-                or own.trials <= 0):
+        shared = self._shared_draft_alpha() if source == Proposer.DRAFT else None
+        if shared is None:
             return own.alpha
         weight = self.config.draft_prior_weight
-        return (own.successes + weight * prior.alpha) / (own.trials + weight)
+        return (own.successes + weight * shared) / (own.trials + weight)
+
+    def _shared_draft_alpha(self) -> float | None:
+        """The coordinator-wide draft α once it has warmed up (None: no prior, or not yet)."""
+        prior = self.draft_prior
+        if prior is None or prior.alpha is None or prior.rounds < self.config.warmup_rounds:
+            return None
+        return prior.alpha
 
     def branch_alpha(self, alpha: float) -> float:
         """b: the probability that the target takes an alternative beside a spine node it
@@ -402,14 +408,18 @@ class SessionPolicy:
         estimate.successes, estimate.trials = alpha * weight, float(weight)
 
     def seed(self, source: Proposer, alpha: float, weight: float) -> None:
-        """Start a source from a prior α (what other sessions measured) worth `weight` trials,
-        instead of warm-up rounds; the session's own rounds soon outweigh it."""
+        """Start a source from a prior α (what other sessions measured) instead of warm-up rounds.
+        Prompt lookup's starts with `weight` trials of it, which the session's own rounds soon
+        outweigh. The draft's estimate mixes the coordinator-wide α in already (`alpha`) once that
+        has warmed up: then only the warm-up ends and the shared probe clock is joined (seeding
+        trials too would count that α twice)."""
         _check_alpha(alpha)
         estimate = self.sources[source].acceptance
-        estimate.successes, estimate.trials = alpha * weight, float(weight)
         estimate.rounds = max(estimate.rounds, self.config.warmup_rounds)
         if source == Proposer.DRAFT and self.probe_clock is not None:  # judged with the others now
             self.sources[source].clock = self.probe_clock
+        if source != Proposer.DRAFT or self._shared_draft_alpha() is None:
+            estimate.successes, estimate.trials = alpha * weight, float(weight)
 
     def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
                draft_available: bool = True, mode: Proposer = Proposer.AUTO,

@@ -145,3 +145,22 @@ def test_sessions_share_the_probes_of_a_draft_that_does_not_pay():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) == 5 and probes[0] == 16  # 16, then +33, +65, +129, +257 (idle counts from 0)
     assert gaps == sorted(gaps) and gaps[-1] > 250
+
+
+def test_a_new_session_counts_the_coordinator_wide_draft_alpha_once():
+    """A new session's draft α is the coordinator-wide one worth draft_prior_weight trials: its
+    first round of the draft moves it as far as one round moves any session with no trials of
+    its own (seeding it with trials as well would count the shared α twice)."""
+    spec = speculation(cost_ratio=0.1)
+    first = spec.start("first", "draft", None)
+    for accepted in (4, 4, 2, 4, 0, 4):
+        plan = first.plan(HISTORY, 4, True)
+        first.observe(plan.source, plan.gamma, accepted, propose_seconds=None, verify_seconds=None,
+                      verified_tokens=plan.gamma + 1)
+    shared = spec.priors["draft"].alpha
+    later = spec.start("later", "draft", None)
+    assert later.policy.alpha("draft") == shared
+    later.observe("draft", 4, 0, propose_seconds=None, verify_seconds=None, verified_tokens=5)
+    weight = later.policy.config.draft_prior_weight
+    prior_now = spec.priors["draft"].alpha  # the shared α took this round too
+    assert later.policy.alpha("draft") == pytest.approx(weight * prior_now / (1 + weight))
