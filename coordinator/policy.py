@@ -26,8 +26,12 @@ every generation made the same choice: γ falls as the batch stops being free.
 
 Prompt lookup's α also depends on how long a suffix it matched: a 3-token match inside a
 copied passage is right far more often than a 1-token match in new text. So its α is kept per
-match length n as well, and a round uses the estimate for the n it matched once that has
-`order_min_trials` trials (until then the source's overall α).
+match length n as well, and a round uses the session's estimate for the n it matched once that
+has `order_min_trials` trials. Until then it uses a prior: the coordinator-wide α at that n
+(once that has `order_min_trials` trials; else the session's overall α) scaled by the session's
+overall α over the coordinator-wide one. The coordinator learns its per-length α mostly on
+copying prompts; a session of new text that failed a round at one match length is then believed
+at every length, instead of paying failed rounds at each.
 
 The draft's acceptance belongs to the pair more than to the session, and a session's own
 estimate, forgetting per round, dips after a few rejections in a row; so once the
@@ -296,6 +300,7 @@ class PolicyConfig:
     max_timed_tokens: int = 0          # verify timings over more tokens (a prefill, a resend)
     #                                    are not round costs and are skipped; 0 = max_gamma + 1
     order_min_trials: float = 3.0      # trials before prompt lookup's α for a match length is used
+    #                                    (a session's own; the coordinator's, as a session's prior)
     draft_prior_weight: float = 20.0  # trials' worth of the coordinator-wide draft α every session's
     #                                    draft α keeps (the pair's acceptance: a few rejections in a
     #                                    row must not price the draft out for a stretch of rounds)
@@ -347,6 +352,8 @@ class SessionPolicy:
     draft_prior: AcceptanceEstimate | None = None  # the draft's α over all sessions (shared)
     probe_clock: ProbeClock | None = None  # the draft's probe clock over all sessions (shared)
     branch: AcceptanceEstimate | None = None  # trees: b, an alternative's acceptance (shared; None: own)
+    lookup_prior: AcceptanceEstimate | None = None  # prompt lookup's α over all sessions (shared)
+    order_priors: dict[int, AcceptanceEstimate] = field(default_factory=dict)  # ... per match length
 
     def __post_init__(self) -> None:
         c = self.config
@@ -394,18 +401,25 @@ class SessionPolicy:
         self.branch.observe_trials(tried, accepted)
 
     def ngram_alpha(self, order: int = 0) -> float | None:
-        """Prompt lookup's α for a match of `order` tokens: that length's own estimate once it
-        has enough trials, else the source's overall α."""
-        estimate = self.ngram_orders.get(order)
-        if estimate is not None and estimate.trials >= self.config.order_min_trials:
-            return estimate.alpha
-        return self.alpha(Proposer.NGRAM)
+        """Prompt lookup's α for a match of `order` tokens (0: unknown): the session's own
+        estimate at that length once it has `order_min_trials` trials, else `_order_prior` (None
+        before any trial or prior)."""
+        own = self.ngram_orders.get(order)
+        if own is not None and own.trials >= self.config.order_min_trials:
+            return own.alpha
+        overall = self.alpha(Proposer.NGRAM)
+        return None if overall is None else self._order_prior(order, overall)
 
-    def seed_order(self, order: int, alpha: float, weight: float) -> None:
-        """Start prompt lookup's α for a match length from a prior (see `seed`)."""
-        _check_alpha(alpha)
-        estimate = self.ngram_orders.setdefault(order, AcceptanceEstimate(self.config.alpha_decay))
-        estimate.successes, estimate.trials = alpha * weight, float(weight)
+    def _order_prior(self, order: int, overall: float) -> float:
+        """The prior of prompt lookup's α at match length `order`: the coordinator-wide α there,
+        scaled by the session's overall α over the coordinator-wide one (at most 1: a session of
+        new text is believed at every length at once); the session's overall α where the
+        coordinator has too few trials at that length."""
+        shared, at_order = self.lookup_prior, self.order_priors.get(order) if order else None
+        if (shared is None or not shared.alpha or at_order is None or at_order.alpha is None
+                or at_order.trials < self.config.order_min_trials):
+            return overall
+        return min(1.0, at_order.alpha * overall / shared.alpha)
 
     def seed(self, source: Proposer, alpha: float, weight: float) -> None:
         """Start a source from a prior α (what other sessions measured) instead of warm-up rounds.

@@ -214,14 +214,12 @@ class Speculation:
         the coordinator-wide α of the sources that have one)."""
         policy = self._policies.get(session_id)
         if policy is None:
-            policy = self._policies[session_id] = SessionPolicy(self.config, self.costs, self.priors[Proposer.DRAFT],
-                                                                self.draft_probe_clock, self.branch)
+            policy = self._policies[session_id] = SessionPolicy(
+                self.config, self.costs, self.priors[Proposer.DRAFT], self.draft_probe_clock, self.branch,
+                self.priors[Proposer.NGRAM], self.order_priors)
             for source, prior in self.priors.items():
                 if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                     policy.seed(source, prior.alpha, PRIOR_WEIGHT)
-            for order, prior in self.order_priors.items():
-                if prior.trials >= self.config.order_min_trials and prior.alpha is not None:
-                    policy.seed_order(order, prior.alpha, PRIOR_WEIGHT)
             while len(self._policies) > self.max_sessions:
                 self._policies.popitem(last=False)
         self._policies.move_to_end(session_id)

@@ -147,6 +147,36 @@ def test_sessions_share_the_probes_of_a_draft_that_does_not_pay():
     assert gaps == sorted(gaps) and gaps[-1] > 250
 
 
+def test_a_new_text_session_is_believed_at_every_match_length():
+    """The coordinator learnt prompt lookup on copying sessions (right at every match length).
+    A session of new text, where lookup is always wrong and the draft always right, stops
+    proposing lookups after its first failures at any length: it does not pay failed rounds at
+    each match length in turn."""
+    spec = speculation(cost_ratio=0.3)
+    copying = spec.start("copying", "auto", None)
+    for round_ in range(30):
+        order = 1 + round_ % 3
+        choice = copying.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
+        copying._order = order if choice.source == "ngram" else 0
+        copying.observe(choice.source, choice.gamma, choice.gamma, propose_seconds=None,
+                        verify_seconds=None, verified_tokens=choice.gamma + 1)
+    assert all(spec.order_priors[order].alpha == 1.0 for order in (1, 2, 3))
+    new_text = spec.start("new text", "auto", None)
+    chosen_lookups = 0  # rounds the policy gave prompt lookup as the best source (not probes)
+    for round_ in range(30):
+        order = 1 + round_ % 3
+        choice = new_text.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
+        new_text._order = order if choice.source == "ngram" else 0
+        accepted = 0 if choice.source == "ngram" else choice.gamma
+        chosen_lookups += choice.source == "ngram" and choice.reason == "best"
+        new_text.observe(choice.source, choice.gamma, accepted, propose_seconds=None,
+                         verify_seconds=None, verified_tokens=choice.gamma + 1)
+    assert chosen_lookups <= 2  # learning each match length in turn, it was 6 (twice at each)
+    assert max(new_text.policy.ngram_alpha(order) for order in (1, 2, 3)) < 0.5
+    # a copying session that starts now is still believed at once
+    assert spec.start("copying again", "auto", None).policy.ngram_alpha(3) == 1.0
+
+
 def test_a_new_session_counts_the_coordinator_wide_draft_alpha_once():
     """A new session's draft α is the coordinator-wide one worth draft_prior_weight trials: its
     first round of the draft moves it as far as one round moves any session with no trials of
