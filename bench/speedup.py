@@ -8,6 +8,7 @@ Usage:
   python bench/speedup.py --no-hf --draft-model D.gguf --target-model T.gguf --llama-server PATH
   python bench/speedup.py --tree on                        # token-tree rows beside the chains
   python bench/speedup.py --tree auto                      # the coordinator's --trees auto: the policy chooses
+  python bench/speedup.py --no-hf --methods auto --prompts email-formal,lru-cache   # auto alone, in that order
 
 Ten chat prompts in five kinds (bench/prompts.py), greedy, --max-new-tokens (default 128)
 each, EOS ignored so every method generates the same number of tokens. Side by side in one
@@ -88,6 +89,20 @@ def specdec_methods(quick: bool, tree: str = "off") -> dict[str, dict]:
     return out
 
 
+def select_methods(methods: dict[str, dict], names: str) -> dict[str, dict]:
+    """The methods `names` asks for (comma-separated, without "specdec "; "" = all), and always
+    target-only (the speed-ups are over it) and auto (the settling runs and each prompt's line)."""
+    if not names:
+        return methods
+    wanted = [f"specdec {name.strip()}" for name in names.split(",")]
+    unknown = [name for name in wanted if name not in methods]
+    if unknown:
+        raise SystemExit(f"bench/speedup.py: no method {', '.join(unknown)}; this run has "
+                         f"{', '.join(m.removeprefix('specdec ') for m in methods)}")
+    return {name: fields for name, fields in methods.items()
+            if name in (report.TARGET_ONLY, report.AUTO) or name in wanted}
+
+
 def run_specdec(stub, ids: list[int], new_tokens: int, fields: dict) -> tuple[Timed, dict]:
     """One streamed greedy generation; (timings, stats)."""
     from google.protobuf.json_format import MessageToDict
@@ -161,7 +176,11 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=50071)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="tries per method and prompt (the median counts)")
-    parser.add_argument("--prompts", default="", help="comma-separated prompt names (default: the suite)")
+    parser.add_argument("--prompts", default="",
+                        help="comma-separated prompt names, run in that order (default: the suite)")
+    parser.add_argument("--methods", default="",
+                        help="comma-separated specdec methods as the table names them without 'specdec ' "
+                             "(e.g. 'prompt lookup,draft γ=4'; default: all); target-only and auto always run")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
     parser.add_argument("--draft-ahead", default="auto", choices=("auto", "on", "off"),
                         help="the coordinator's --draft-ahead (the draft works while the target verifies)")
@@ -185,8 +204,11 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     prompts = list(QUICK if args.quick else PROMPTS)
     if args.prompts:
-        wanted = args.prompts.split(",")
-        prompts = [p for p in PROMPTS if p.name in wanted]
+        by_name = {p.name: p for p in PROMPTS}
+        unknown = [name for name in args.prompts.split(",") if name not in by_name]
+        if unknown:
+            raise SystemExit(f"bench/speedup.py: no prompt {', '.join(unknown)}; the suite has {', '.join(by_name)}")
+        prompts = [by_name[name] for name in args.prompts.split(",")]
     draft_path, target_path = model_paths(args)
     if args.no_hf:  # the tokenizer only (a .gguf file would be dequantised for nothing)
         from specdec.tokenizer import load_tokenizer
@@ -200,7 +222,7 @@ def main() -> int:
         tokenizer, hf_model, peers = hf_target.tokenizer, hf_target.model, hf_methods(hf_draft.model)
     if args.quick:
         peers.pop(next((m for m in peers if "γ=" in m), ""), None)
-    ours = specdec_methods(args.quick, args.tree)
+    ours = select_methods(specdec_methods(args.quick, args.tree), args.methods)
     if args.llama_server and not (draft_path.endswith(".gguf") and target_path.endswith(".gguf")):
         raise SystemExit("bench/speedup.py: --llama-server needs .gguf files as --draft-model/--target-model")
     proc = start_services(draft_path, target_path, args)
