@@ -256,7 +256,8 @@ class Engine:
                      verify_seconds=result.verify_seconds if result.verified_tokens else None,
                      verified_tokens=result.verified_tokens or len(result.drafts) + 1,
                      hints_kept=result.hints_kept, batch_tokens=result.batch_tokens,
-                     tree=result.tree, accepted_nodes=result.verdict.accepted_nodes)
+                     tree=result.tree, accepted_nodes=result.verdict.accepted_nodes,
+                     lookup_nodes=result.lookup_nodes)
 
     def _observe_metrics(self, result: RoundResult, store_started: float) -> None:
         """Record a committed and stored round in the metrics."""
@@ -318,7 +319,7 @@ class Engine:
             stats.target_seconds += verify_s
             stats.record_round(len(tokens), verdict.num_accepted, drafts.source, proposal.hints_kept,
                                TokenTree(tuple(tokens), proposal.parents) if proposal.parents else None,
-                               verdict.accepted_nodes)
+                               verdict.accepted_nodes, drafts.lookup_nodes)
             source.observe(rnd, drafts, verdict)
             for call in side:
                 await call.settle(verdict)
@@ -333,4 +334,4 @@ class Engine:
             propose_seconds=drafts.propose_seconds, call_seconds=drafts.call_seconds, verify_seconds=verify_s,
             verified_tokens=verified, started=rnd.started, hints_kept=proposal.hints_kept,
             batch_tokens=batch_tokens, ahead=rnd.ahead, seconds=time.perf_counter() - rnd.started,
-            parents=proposal.parents)
+            parents=proposal.parents, lookup_nodes=drafts.lookup_nodes)

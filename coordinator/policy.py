@@ -421,6 +421,15 @@ class SessionPolicy:
             return overall
         return min(1.0, at_order.alpha * overall / shared.alpha)
 
+    def lookup_gamma(self, available: int, order: int = 0, load: int = 1) -> int:
+        """How many of prompt lookup's `available` tokens a round of its own would propose now
+        (the γ of its best speedup; 0 when that does not beat plain decoding): what a draft
+        tree round grafts on as a branch."""
+        alpha = self.ngram_alpha(order) or 0.0
+        costs = self.costs.relative_costs(Proposer.NGRAM, min(available, self.config.max_gamma), load)
+        gamma, speedup = _argmax_speedup(alpha, costs)
+        return gamma if speedup > 1.0 + self.config.min_gain else 0
+
     def seed(self, source: Proposer, alpha: float, weight: float) -> None:
         """Start a source from a prior α (what other sessions measured) instead of warm-up rounds.
         Prompt lookup's starts with `weight` trials of it, which the session's own rounds soon

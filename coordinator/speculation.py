@@ -66,6 +66,7 @@ class Plan:
     speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
     min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
     tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain)
+    branch: list[int] = field(default_factory=list)  # a draft tree: prompt lookup's tokens to graft on
 
 
 def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair_grows_trees: bool,
@@ -130,9 +131,11 @@ class RequestSpeculation:
                         time.perf_counter() - t0, choice.speedup)
         if choice.source == Proposer.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
-            if tree_nodes:  # hints and the early stop go with chains
+            if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as a branch
+                lookup = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
+                          if candidates and self.governed else 0)  # a fixed γ: the tree asked for
                 return Plan(Proposer.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
-                            tree_nodes=tree_nodes)
+                            tree_nodes=tree_nodes, branch=candidates[:lookup])
             hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
             return Plan(Proposer.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
                         min_confidence=self.min_confidence)
@@ -149,7 +152,8 @@ class RequestSpeculation:
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
                 verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None,
-                tree: TokenTree | None = None, accepted_nodes: tuple[int, ...] = ()) -> None:
+                tree: TokenTree | None = None, accepted_nodes: tuple[int, ...] = (),
+                lookup_nodes: int = 0) -> None:
         """After a round: `source` proposed `proposed` tokens (0 when it fell back to plain
         decoding), `accepted` of them kept; a draft round's first `hints_kept` were hints it
         kept. A time of None leaves the round out of the timings (a catch-up prefill, a resend
@@ -159,9 +163,10 @@ class RequestSpeculation:
         both (its own tokens were tried only when the target accepted every kept hint). A tree
         (`tree`, the target's `accepted_nodes`) counts as the chain of its spine for α and the
         draft's steps (one forward per depth), and its alternatives beside the spine node the
-        target rejected measure b (policy.branch_alpha)."""
+        target rejected measure b (policy.branch_alpha); its last `lookup_nodes` nodes, prompt
+        lookup's grafted branch, are neither."""
         if tree is not None and proposed:
-            outcome = tree_outcome(tree, accepted_nodes)
+            outcome = tree_outcome(tree, accepted_nodes, len(tree) - lookup_nodes)
             self.policy.observe_branches(outcome.alternatives_tried, outcome.alternatives_accepted)
             proposed, accepted = outcome.spine_proposed, outcome.spine_accepted
         if proposed == 0:

@@ -43,6 +43,8 @@ class GenerationStats:
     tree_accepted_tokens: int = 0   # of accepted_tokens, the accepted paths' nodes of those trees
     tree_branch_accepted_tokens: int = 0  # of those, nodes off the draft's own chain (what a chain lacked)
     tree_accepted_per_depth: list[int] = field(default_factory=list)  # [d] -> tree rounds whose path reached depth d + 1
+    tree_lookup_tokens: int = 0     # of tree_draft_tokens, nodes of prompt lookup's branch grafted on
+    tree_lookup_accepted_tokens: int = 0  # of tree_accepted_tokens, nodes of that branch
     rounds_by_gamma: list[int] = field(default_factory=list)  # [γ] -> rounds that proposed γ
     gamma_per_round: list[int] = field(default_factory=list)  # this request only (not cumulated)
 
@@ -71,13 +73,13 @@ class GenerationStats:
 
     def record_round(self, gamma: int, accepted: int, source: Proposer = Proposer.DRAFT,
                      hints_kept: int = 0, tree: TokenTree | None = None,
-                     accepted_nodes: tuple[int, ...] = ()) -> None:
+                     accepted_nodes: tuple[int, ...] = (), lookup_nodes: int = 0) -> None:
         """One round: γ tokens proposed by `source` (DRAFT, NGRAM; NONE when γ is 0), the first
         `hints_kept` of a draft round being prompt-lookup hints the draft model kept; a tree
         round's γ tokens are `tree`'s nodes, of which the target accepted the path
-        `accepted_nodes`."""
+        `accepted_nodes`, and whose last `lookup_nodes` nodes are prompt lookup's branch."""
         if tree is not None and gamma:
-            self._record_tree(tree, accepted_nodes)
+            self._record_tree(tree, accepted_nodes, len(tree) - lookup_nodes)
         self.rounds += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
@@ -95,11 +97,14 @@ class GenerationStats:
         self.gamma_per_round.append(gamma)
         _count_up_to(self.accepted_per_position, accepted)
 
-    def _record_tree(self, tree: TokenTree, accepted_nodes: tuple[int, ...]) -> None:
+    def _record_tree(self, tree: TokenTree, accepted_nodes: tuple[int, ...], draft_nodes: int) -> None:
         self.tree_rounds += 1
         self.tree_draft_tokens += len(tree)
         self.tree_accepted_tokens += len(accepted_nodes)
-        self.tree_branch_accepted_tokens += len(accepted_nodes) - tree_outcome(tree, accepted_nodes).spine_accepted
+        spine_accepted = tree_outcome(tree, accepted_nodes, draft_nodes).spine_accepted
+        self.tree_branch_accepted_tokens += len(accepted_nodes) - spine_accepted
+        self.tree_lookup_tokens += len(tree) - draft_nodes
+        self.tree_lookup_accepted_tokens += sum(node >= draft_nodes for node in accepted_nodes)
         _count_up_to(self.tree_accepted_per_depth, len(accepted_nodes))
 
     def merged(self, other: "GenerationStats") -> "GenerationStats":

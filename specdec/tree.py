@@ -11,6 +11,7 @@ root's, then one per node.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from specdec.errors import InvalidArgument
 
@@ -84,6 +85,28 @@ class TokenTree:
         return out[::-1]
 
 
+def graft(tree: TokenTree, path: Sequence[int], max_nodes: int) -> TokenTree:
+    """`tree` with the chain `path` hung from the root: it goes down the nodes whose tokens it
+    repeats and adds the rest, in order, after the tree's own nodes, while the tree has fewer
+    than `max_nodes` nodes. The tree's nodes keep their numbers and their first children (only
+    a leaf may gain a grafted first child)."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    children = tree.children()
+    row = 0  # the root
+    for token in path:
+        match = next((node for node in children[row] if tokens[node] == token), None)
+        if match is None:
+            if len(tokens) >= max_nodes:
+                break
+            match = len(tokens)
+            tokens.append(token)
+            parents.append(row)
+            children[row].append(match)
+            children.append([])
+        row = match + 1
+    return TokenTree(tuple(tokens), tuple(parents))
+
+
 def subtree(tree: TokenTree, keep: list[int]) -> TokenTree:
     """The tree of the nodes `keep` (ascending, each one's parent kept too), renumbered."""
     index = {node: new for new, node in enumerate(keep)}
@@ -101,17 +124,22 @@ class TreeOutcome:
     alternatives_accepted: int  # of them, accepted (0 or 1: the path goes on under it)
 
 
-def tree_outcome(tree: TokenTree, accepted_nodes: tuple[int, ...] | list[int]) -> TreeOutcome:
+def tree_outcome(tree: TokenTree, accepted_nodes: tuple[int, ...] | list[int],
+                 draft_nodes: int | None = None) -> TreeOutcome:
     """How the accepted path (nodes, root's child first) went against the tree's spine: how far
     it followed the spine and, where the spine's node was rejected, how many of that node's
-    siblings (in order, as the target tests them) were tried and whether one was accepted."""
-    spine = tree.spine()
+    siblings (in order, as the target tests them) were tried and whether one was accepted.
+    Only the draft's own nodes count as alternatives: those from `draft_nodes` on were grafted
+    onto its tree (prompt lookup's branch, `graft`), and a path through them took none."""
+    own = len(tree) if draft_nodes is None else draft_nodes
+    spine = [node for node in tree.spine() if node < own]  # a grafted node ends it
     on = 0
     while on < len(accepted_nodes) and on < len(spine) and accepted_nodes[on] == spine[on]:
         on += 1
     if on == len(spine):
         return TreeOutcome(len(spine), on, 0, 0)
-    siblings = tree.children()[0 if on == 0 else spine[on - 1] + 1][1:]  # the spine node's, after it
-    if on < len(accepted_nodes):  # the path went on through an alternative
+    siblings = [node for node in tree.children()[0 if on == 0 else spine[on - 1] + 1][1:]  # after it
+                if node < own]
+    if on < len(accepted_nodes) and accepted_nodes[on] < own:  # on through an alternative
         return TreeOutcome(len(spine), on, siblings.index(accepted_nodes[on]) + 1, 1)
     return TreeOutcome(len(spine), on, len(siblings), 0)

@@ -8,13 +8,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 
 from specdec.types import Proposer, SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import PROMPTS, reference
-from tests.test_e2e_sampling import assert_follows, exact_first_two, sampled_first_two
+from tests.test_e2e_sampling import REPEATING_IDS, assert_follows, exact_first_two, sampled_first_two
+from tests.test_proposers import IDS_PROMPTS, target_only
 
 pytestmark = pytest.mark.e2e
 
@@ -116,3 +118,67 @@ def test_auto_trees_where_costs_favour_them_equal_target_only(models):
                                       proposer=coordinator_pb2.PROPOSER_AUTO, tree_nodes=1)
             assert list(chains.token_ids) == expected[prompt]
             assert chains.stats.tree_rounds == 0 and chains.stats.draft_rounds > 0
+
+
+def believe_draft_and_lookup(cluster: Cluster) -> None:
+    """Every new session of the cluster's coordinator believes the draft (α 0.9, so each
+    adaptive round is a draft tree) and believes prompt lookup enough (α 0.5, verification flat
+    under the pinned cost ratio) to graft its tokens on: its own α only, pinned by 10,000 trials."""
+    speculation = cluster.coordinator.engine.speculation
+    new_policy = speculation.policy
+
+    def believing(session_id):
+        fresh = session_id not in speculation._policies
+        policy = new_policy(session_id)
+        if fresh:
+            policy.draft_prior = None
+            policy.seed(Proposer.DRAFT, 0.9, 10_000)
+            policy.seed(Proposer.NGRAM, 0.5, 10_000)
+        return policy
+
+    speculation.policy = believing
+
+
+def test_greedy_trees_with_prompt_lookups_branch_equal_target_only(small_vocab_models):
+    """Adaptive `auto` draft tree rounds carry prompt lookup's continuation grafted on as a
+    branch of its own; where the target takes it the path goes on through lookup's nodes.
+    Greedy output is the target's own token for token."""
+    target, draft = small_vocab_models["target"], small_vocab_models["draft"]
+    with Cluster(draft, target, coordinator={"draft_cost_ratio": 0.1}) as cluster:
+        believe_draft_and_lookup(cluster)
+        grafted = taken = 0
+        for ids in IDS_PROMPTS + [[5, 5, 1, 8, 5, 5, 1, 8, 5]]:
+            response = cluster.complete(token_ids=ids, max_new_tokens=30, ignore_eos=True, tree_nodes=4,
+                                        proposer=coordinator_pb2.PROPOSER_AUTO)
+            assert list(response.token_ids) == target_only(target, ids, 30), ids
+            stats = response.stats
+            assert stats.tree_rounds > 0
+            grafted += stats.tree_lookup_tokens
+            taken += stats.tree_lookup_accepted_tokens
+        assert grafted > 0 and taken > 0  # lookup's nodes were verified, and some were taken
+
+
+def test_sampled_trees_with_prompt_lookups_branch_follow_the_target_distribution(small_vocab_models):
+    """A grafted lookup node is one more deterministic child (one-hot q): the first two tokens
+    of trees with lookup's branch still follow the target's distribution (the walk's warps,
+    top-k and top-p, are tested with the draft's trees above)."""
+    params = SamplingParams(temperature=0.8)
+    p1, p2 = exact_first_two(small_vocab_models["target"], params, REPEATING_IDS)
+    counts1, counts2 = np.zeros(len(p1)), np.zeros(len(p1))
+    grafted = taken = 0
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
+                 coordinator={"draft_cost_ratio": 0.1}) as cluster:
+        believe_draft_and_lookup(cluster)
+        for seed in range(SAMPLES):
+            response = cluster.complete(token_ids=REPEATING_IDS, max_new_tokens=3, tree_nodes=4, seed=seed,
+                                        temperature=params.temperature, top_k=params.top_k or None,
+                                        ignore_eos=True, proposer=coordinator_pb2.PROPOSER_AUTO)
+            first, second = response.token_ids[:2]
+            counts1[first] += 1
+            counts2[second] += 1
+            grafted += response.stats.tree_lookup_tokens
+            taken += response.stats.tree_lookup_accepted_tokens
+    assert grafted >= SAMPLES  # every first round grafted lookup's branch on
+    if p1[5] > 0:  # lookup's first token (5, what followed the earlier 3 7) is in the warped support
+        assert taken > 0
+    assert_follows((counts1, p1), (counts2, p2))

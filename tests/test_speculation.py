@@ -194,3 +194,24 @@ def test_a_new_session_counts_the_coordinator_wide_draft_alpha_once():
     weight = later.policy.config.draft_prior_weight
     prior_now = spec.priors["draft"].alpha  # the shared α took this round too
     assert later.policy.alpha("draft") == pytest.approx(weight * prior_now / (1 + weight))
+
+
+def test_a_tree_round_carries_prompt_lookups_branch_where_lookup_would_pay():
+    """An adaptive `auto` request's draft tree round carries prompt lookup's tokens, as many as
+    a lookup round of its own would propose, to graft onto the draft's tree; a fixed γ (the tree
+    the request asked for), the draft proposer alone, or a lookup that does not pay carry none."""
+    spec = speculation(cost_ratio=0.1)
+
+    def planned(name, mode, fixed_gamma, ngram_alpha):
+        request = spec.start(name, mode, fixed_gamma, tree_nodes=4, pair_grows_trees=True)
+        request.policy.seed("draft", 0.95, 100)
+        request.policy.seed("ngram", ngram_alpha, 100)
+        return request.plan(HISTORY, 8, True)
+
+    plan = planned("auto", "auto", None, 0.5)
+    # verification is flat under a pinned cost ratio: lookup's 8 tokens all pay (the copy of
+    # 8 1 2 runs on into the suffix it matched)
+    assert (plan.source, plan.tree_nodes, plan.branch) == ("draft", 4, [8, 1, 2, 5, 6, 7, 8, 1])
+    assert planned("fixed", "auto", 3, 0.5).branch == []
+    assert planned("draft only", "draft", None, 0.5).branch == []
+    assert planned("useless lookup", "auto", None, 0.0).branch == []

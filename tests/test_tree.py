@@ -11,7 +11,7 @@ from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.sampling import target_probs
 from specdec.runtime.batch_cache import ancestor_mask
-from specdec.tree import TokenTree, subtree
+from specdec.tree import TokenTree, graft, subtree
 from specdec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.types import SamplingParams
 
@@ -40,6 +40,29 @@ def test_each_node_sees_exactly_its_ancestors():
     mask = ancestor_mask(TREE)
     for i in range(len(TREE)):
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(TREE.path(i)), i
+
+
+@pytest.mark.parametrize("path, max_nodes, grown", [
+    # follows n0 and n3, then hangs 4 under n3
+    ((5, 8, 4), 16, TokenTree((5, 6, 7, 8, 9, 1, 4), (0, 0, 1, 1, 2, 3, 4))),
+    # leaves at the root at once: a new child of the root, then its chain
+    ((2, 3), 16, TokenTree((5, 6, 7, 8, 9, 1, 2, 3), (0, 0, 1, 1, 2, 3, 0, 7))),
+    # all of it already in the tree: nothing added
+    ((5, 7, 1), 16, TREE),
+    # the spine's leaf n5 gains a grafted first child
+    ((5, 7, 1, 3), 16, TokenTree((5, 6, 7, 8, 9, 1, 3), (0, 0, 1, 1, 2, 3, 6))),
+    # the budget: at most 7 nodes in all
+    ((2, 3), 7, TokenTree((5, 6, 7, 8, 9, 1, 2), (0, 0, 1, 1, 2, 3, 0))),
+    ((2, 3), 6, TREE),
+])
+def test_a_grafted_branch_follows_the_nodes_it_repeats(path, max_nodes, grown):
+    out = graft(TREE, path, max_nodes)
+    assert out == grown
+    out.check()  # no token twice under one parent
+    assert out.tokens[:len(TREE)] == TREE.tokens and out.parents[:len(TREE)] == TREE.parents
+    if len(out) > len(TREE):  # the last node added ends a path spelling the branch's start
+        spelled = [out.tokens[node] for node in out.path(len(out) - 1)]
+        assert spelled == list(path[:len(spelled)])
 
 
 @pytest.mark.parametrize("parents, message", [

@@ -40,6 +40,30 @@ def test_tree_outcome(accepted, outcome):
     assert tree_outcome(TREE, accepted) == outcome
 
 
+# TREE with prompt lookup's branch 2 3 grafted on: n6(2) under the root, n7(3) under it
+GRAFTED = TokenTree(TREE.tokens + (2, 3), TREE.parents + (0, 7))
+
+
+@pytest.mark.parametrize("accepted, outcome", [
+    ((6, 7), TreeOutcome(3, 0, 1, 0)),  # n0 rejected, n1 tried in vain (a draft node), lookup's taken
+    ((0, 3), TreeOutcome(3, 1, 1, 1)),  # as without the branch
+    ((0, 2, 5), TreeOutcome(3, 3, 0, 0)),
+])
+def test_a_grafted_branch_is_not_the_drafts_alternative(accepted, outcome):
+    assert tree_outcome(GRAFTED, accepted, draft_nodes=len(TREE)) == outcome
+
+
+def test_stats_count_the_grafted_lookup_branch():
+    stats = GenerationStats()
+    stats.record_round(8, 2, Proposer.DRAFT, tree=GRAFTED, accepted_nodes=(6, 7), lookup_nodes=2)
+    stats.record_round(8, 2, Proposer.DRAFT, tree=GRAFTED, accepted_nodes=(0, 3), lookup_nodes=2)
+    assert (stats.tree_lookup_tokens, stats.tree_lookup_accepted_tokens) == (4, 2)
+    assert stats.tree_branch_accepted_tokens == 2 + 1  # off the draft's chain: n6 n7, then n3
+    # a spine leaf's grafted child: the spine stays the draft's own
+    extended = TokenTree(TREE.tokens + (3,), TREE.parents + (6,))
+    assert tree_outcome(extended, (0, 2, 5, 6), draft_nodes=len(TREE)) == TreeOutcome(3, 3, 0, 0)
+
+
 def test_stats_count_tree_rounds_by_hand():
     stats = GenerationStats()
     stats.record_round(6, 3, Proposer.DRAFT, tree=TREE, accepted_nodes=(0, 2, 5))

@@ -1,11 +1,15 @@
 """Prompt lookup as a proposal source: the tokens that followed the latest earlier occurrence of
 the session's last n-gram (coordinator/ngram.py), looked up while the round is planned (the
-policy needs to know how many there are), proposed with a one-hot q and no model call."""
+policy needs to know how many there are), proposed with a one-hot q and no model call. In a
+draft round that grows a token tree, the same tokens can be grafted onto the draft's tree as a
+branch of their own (`with_lookup_branch`): the target verifies both in one pass."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
+from specdec.tree import TokenTree, graft
 from specdec.types import Proposal, Proposer, SparseDist
 
 from coordinator.proposers.base import ProposalSource
@@ -16,6 +20,20 @@ def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
     """The proposal distribution of deterministic drafts: q(d) = 1. The acceptance step then
     accepts d with probability p(d) and recovers from p with d removed: lossless."""
     return [SparseDist.one_hot(token) for token in tokens]
+
+
+def with_lookup_branch(proposal: Proposal, branch: Sequence[int], max_nodes: int) -> tuple[Proposal, int]:
+    """The draft's tree `proposal` with prompt lookup's `branch` grafted on (specdec.tree.graft:
+    it follows the draft's nodes it repeats, adds the rest after them, up to `max_nodes` nodes
+    in all), and how many nodes it added. An added node is deterministic given the history, as
+    the draft's ranked children are, so its q is one-hot and the tree walk stays exact."""
+    tree = TokenTree(tuple(proposal.draft_tokens), proposal.parents)
+    grown = graft(tree, branch, max_nodes)
+    added = len(grown) - len(tree)
+    if not added:
+        return proposal, 0
+    return replace(proposal, draft_tokens=list(grown.tokens), parents=grown.parents,
+                   draft_probs=list(proposal.draft_probs) + one_hot_dists(grown.tokens[len(tree):])), added
 
 
 class PromptLookup(ProposalSource):
