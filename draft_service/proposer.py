@@ -108,8 +108,8 @@ class ModelProposer:
             raise InvalidArgument(f"tree_nodes must be in [0, {limit}] (0: a chain), got {tree_nodes}")
         if tree_nodes and hints:
             raise InvalidArgument("hint_tokens go with a chain only: send them without tree_nodes")
-        if not self.runner.verifies_trees:
-            tree_nodes = 0  # this engine cannot mask a tree: it drafts a chain (the response has no parents)
+        if not self.runner.grows_trees:
+            tree_nodes = 0  # this engine cannot grow a tree: it drafts a chain (the response has no parents)
         self.runner.check_token_ids(hints, "hint_tokens")
         self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1 + len(hints))
         if not 0 <= uncommitted <= prefix_len + len(new_tokens):

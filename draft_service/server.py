@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import grpc
@@ -31,7 +32,9 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
     worker = ModelWorker(config.max_queue, name="draft-model")
     proposer = ModelProposer(runner, config.proposal_top_k)
     scheduler = batch_scheduler(config, worker, proposer.propose_batch, lambda call: len(call.new_tokens) + len(call.hints))
-    servicer = DraftServicer(proposer, runner.description, scheduler,
+    # a draft's ModelInfo.verifies_trees says whether it grows trees
+    description = dataclasses.replace(runner.description, verifies_trees=runner.grows_trees)
+    servicer = DraftServicer(proposer, description, scheduler,
                              lambda n: tokenizer_fingerprint(runner.tokenizer, n))
     server, port = serve_model(config, "draft", DEFAULT_PORT, servicer,
                                draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, runner, worker,

@@ -109,6 +109,55 @@ def test_batched_sequences_and_rollback_agree_with_one_session(runner):
     assert runner.tokens_run > 0 and len(runner.caches) == 4
 
 
+#        root                n0 the chain, n1 an alternative under the root; n3 beside n2
+#       /    \
+#     n0      n1
+#     /  \     |
+#   n2   n3   n4
+#    |
+#   n5
+TREE_PARENTS = (0, 0, 1, 1, 2, 3)
+
+
+@pytest.mark.unit
+def test_a_tree_forward_scores_each_node_as_its_path_alone(runner):
+    """One decode of a tree beside a chain: each node's logits are those of its own path run
+    alone (sequence sets mask it to the history and its ancestors); keep_path leaves the session
+    holding exactly the history and the accepted path, and frees the spare sequences."""
+    from specdec.tree import TokenTree
+
+    history = _ids(runner, PROMPTS[0])
+    nodes = (11, 12, 13, 14, 15, 16)
+    tree = TokenTree(nodes, TREE_PARENTS)
+    free = len(runner.free)
+    entry, beside = _fresh(runner, "tree"), _fresh(runner, "chain")
+    runner.forward("tree", entry, history[:-2], 1)  # part of the history in the cache already
+    out = runner.forward_batch([Row("tree", entry, history[-2:] + list(nodes), 1 + len(tree), tree),
+                                Row("chain", beside, history, 3)])
+    assert len(runner.free) == free - 2 - 3  # two sessions, three leaves (n4, n5 and n3)
+    scale = TOLERANCE * float(out[0].abs().max())
+    for node in range(len(tree)):
+        path = [nodes[i] for i in tree.path(node)]
+        alone = runner.forward("alone", _fresh(runner, "alone"), history + path, 1)
+        assert torch.allclose(out[0][1 + node], alone[0], atol=scale), node
+    root = runner.forward("alone", _fresh(runner, "alone"), history, 1)
+    assert torch.allclose(out[0][0], root[0], atol=scale)
+    # keep n1 -> n4: the session then continues as if history + n1 n4 had been fed
+    runner.keep_path(entry, len(history), [1, 4])
+    assert list(entry.tokens) == history + [12, 15] and entry.kv.length == len(history) + 2
+    assert len(runner.free) == free - 3  # the leaves' sequences are free again ("alone" holds one)
+    after = runner.forward("tree", entry, [17], 1)
+    fresh = runner.forward("alone", _fresh(runner, "alone"), history + [12, 15, 17], 1)
+    assert torch.allclose(after, fresh, atol=scale)
+    # a path of nothing: the history only
+    entry2 = _fresh(runner, "tree2")
+    runner.forward_batch([Row("tree2", entry2, history + list(nodes), 1 + len(tree), tree)])
+    runner.keep_path(entry2, len(history), [])
+    assert list(entry2.tokens) == history and entry2.kv.length == len(history)
+    assert torch.allclose(runner.forward("tree2", entry2, [17], 1),
+                          runner.forward("alone", _fresh(runner, "alone"), history + [17], 1), atol=scale)
+
+
 @pytest.mark.unit
 def test_released_and_evicted_sequences_are_reused(gguf_pair):
     runner = LlamaRunner(gguf_pair["target"], 3, 1 << 30, 16, 512,
@@ -239,6 +288,27 @@ def test_torch_draft_with_llama_cpp_target_is_exact(models, gguf_pair, llama_pai
                                       num_speculative_tokens=3, ignore_eos=True)
             assert list(response.token_ids) == list(expected.token_ids)
             assert response.stats.draft_tokens > 0
+
+
+@pytest.mark.e2e
+def test_a_llama_cpp_target_verifies_the_torch_drafts_trees(models, gguf_pair, llama_pair_cluster):
+    """Token trees from a torch draft, verified in one llama.cpp decode: greedy output equals the
+    llama.cpp target's own, several tree shapes at once. A llama.cpp draft grows chains only."""
+    with Cluster(models["llama"]["draft"], gguf_pair["target"], dtype="float32", target=LLAMA) as mixed:
+        assert mixed.coordinator.engine.target_info.verifies_trees
+        expected = {prompt: list(llama_pair_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=NONE,
+                                                             ignore_eos=True).token_ids) for prompt in PROMPTS[:2]}
+        shapes = [(2, 4), (4, 8), (3, 3)]
+        with concurrent.futures.ThreadPoolExecutor(len(shapes) * 2) as pool:
+            futures = {(prompt, shape): pool.submit(
+                mixed.complete, prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=DRAFT,
+                num_speculative_tokens=shape[0], tree_nodes=shape[1], ignore_eos=True)
+                for prompt in expected for shape in shapes}
+        for (prompt, shape), future in futures.items():
+            response = future.result()
+            assert list(response.token_ids) == expected[prompt], (prompt, shape)
+            assert response.stats.tree_rounds > 0
+    assert not llama_pair_cluster.coordinator.engine.draft_info.verifies_trees  # grows no trees
 
 
 @pytest.mark.e2e

@@ -7,6 +7,17 @@ is ONE `llama_decode` over a multi-sequence batch that asks for logits exactly a
 positions the draft or the acceptance step reads. Those logits go through the same sampling
 and acceptance code as the torch engine's, so the guarantee does not depend on the engine.
 
+A token tree is verified in the same decode with sequence sets (`_tree_plan`): each leaf of
+the tree gets a spare sequence that first shares the session's cells (`llama_memory_seq_cp`
+adds a sequence id to cells, it copies nothing in a unified pool); the tokens fed before the
+tree carry the session's id and every leaf's, and a node carries the ids of the leaves below
+it. llama.cpp masks a token to the cells that hold its first sequence id at positions up to
+its own, and a node sits at the root's position plus its depth: so it sees the history and
+its own ancestors only, as the torch engine's tree mask does. Afterwards `keep_path` adds the
+session's id to the accepted path's cells (they already sit at consecutive positions) and
+drops the leaves' ids, which frees every other node's cell. The draft does not grow trees on
+this engine (a node of a later depth would need the cached nodes of earlier ones).
+
 The pool is allocated when the service starts: its cells are the memory budget
 (`--kv-cache-tokens`, else `--kv-cache-bytes` over the bytes of one token's K/V), and the LRU
 bound of SessionCaches evicts sessions before a forward would not fit.
@@ -29,6 +40,7 @@ from specdec.errors import ResourceExhausted
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerprint
+from specdec.tree import TokenTree
 from specdec.types import KVCacheType, ModelDescription
 
 log = logging.getLogger(__name__)
@@ -88,19 +100,23 @@ _KV_TYPES = {KVCacheType.F16: ("GGML_TYPE_F16", 2.0), KVCacheType.BF16: ("GGML_T
 class LlamaSequence:
     """One session's K/V: a llama.cpp sequence id and how many positions it holds."""
 
-    __slots__ = ("runner", "seq", "length", "closed")
+    __slots__ = ("runner", "seq", "length", "closed", "spares", "node_seqs")
 
     def __init__(self, runner: "LlamaRunner", seq: int):
         self.runner = runner
         self.seq = seq
         self.length = 0
         self.closed = False
+        # after a tree's forward: its leaves' spare sequences, and per node one that holds it
+        self.spares: list[int] = []
+        self.node_seqs: list[int] = []
 
     def nbytes(self) -> int:
         return self.length * self.runner.bytes_per_token
 
     def crop(self, held: int, length: int) -> bool:
         """Remove the positions from `length` on (worker thread only)."""
+        self.runner.release_leaves(self)  # a tree's nodes are past any kept prefix
         if length < self.length:
             self.runner.remove_positions(self.seq, length)
             self.length = length
@@ -111,7 +127,8 @@ class LlamaSequence:
         worker's current call ends, so a forward still running on it stays whole."""
         if not self.closed:
             self.closed = True
-            self.runner.closed.append(self.seq)
+            self.runner.closed.extend([self.seq, *self.spares])
+            self.spares, self.node_seqs = [], []
 
 
 class LlamaRunner(SessionRunner):
@@ -147,7 +164,8 @@ class LlamaRunner(SessionRunner):
         self.batch_tokens = max(1, min(options.batch_tokens, cells))
         self.context = self._new_context(llama, cells, type_name, options)
         self.memory = llama.llama_get_memory(self.context)
-        self.batch = llama.llama_batch_init(self.batch_tokens, 0, 1)
+        # a token carries its session's sequence id and, fed before or inside a tree, its leaves'
+        self.batch = llama.llama_batch_init(self.batch_tokens, 0, 1 + max_speculative_tokens)
         self.cells = int(llama.llama_n_ctx(self.context))
         # sessions kept: MAX_SEQUENCES less room for one batch of new sessions before finish()
         # applies the bound (so a free sequence id is always there)
@@ -175,6 +193,7 @@ class LlamaRunner(SessionRunner):
             device=f"llama.cpp {options.device}",
             max_speculative_tokens=max_speculative_tokens,
             cpu=this_placement(self.threads) if options.device == "cpu" else None,
+            verifies_trees=True,
         )
         log.info("%s: llama.cpp, %d K/V cells of %d bytes (%s), %d threads", path, self.cells,
                  self.bytes_per_token, options.kv_cache_type, self.threads)
@@ -210,6 +229,52 @@ class LlamaRunner(SessionRunner):
             raise ResourceExhausted(f"all {MAX_SEQUENCES} llama.cpp sequences are in use; retry shortly",
                                     retry_after_s=0.1)
         return SessionCache(LlamaSequence(self, self.free.pop()))
+
+    @property
+    def verifies_trees(self) -> bool:
+        return True  # sequence sets mask a tree in one decode (the module docstring)
+
+    @property
+    def grows_trees(self) -> bool:
+        return False
+
+    def keep_path(self, entry: SessionCache, base: int, path: Sequence[int]) -> None:
+        kv = entry.kv
+        tokens = [entry.tokens[base + node] for node in path]
+        # a leaf's sequence below the path's end holds the path at base, base + 1, ...
+        source = kv.node_seqs[path[-1]] if path else None
+        spares, kv.spares, kv.node_seqs = kv.spares, [], []  # alive through the crop
+        entry.crop(base)  # the session's own sequence never held the nodes
+        if source is not None:
+            self.llama.llama_memory_seq_cp(self.memory, source, kv.seq, base, base + len(path))
+        kv.spares = spares
+        self.release_leaves(kv)
+        entry.append(tokens)
+        kv.length = base + len(path)
+
+    def release_leaves(self, kv: "LlamaSequence") -> None:
+        """Drop a tree's spare sequences: the cells only they held are free again."""
+        for seq in kv.spares:
+            self.remove_positions(seq, -1)
+            self.free.append(seq)
+        kv.spares, kv.node_seqs = [], []
+
+    def _tree_plan(self, kv: "LlamaSequence", tree: TokenTree, fed: int) -> list[tuple[int, ...]]:
+        """Spare sequences for a tree's leaves, sharing the session's cells; per token of the
+        row (the `fed` tokens before the tree, then the nodes) the sequence ids it carries."""
+        children = tree.children()
+        leaves = [node for node in range(len(tree)) if not children[node + 1]]
+        if len(self.free) < len(leaves):
+            raise ResourceExhausted(f"all {MAX_SEQUENCES} llama.cpp sequences are in use; retry shortly",
+                                    retry_after_s=0.1)
+        kv.spares = [self.free.pop() for _ in leaves]
+        carried: list[list[int]] = [[] for _ in range(len(tree))]  # node -> the leaves' sequences below it
+        for leaf, seq in zip(leaves, kv.spares):
+            self.llama.llama_memory_seq_cp(self.memory, kv.seq, seq, -1, -1)
+            for node in tree.path(leaf):
+                carried[node].append(seq)
+        kv.node_seqs = [seqs[0] for seqs in carried]
+        return [(kv.seq, *kv.spares)] * fed + [tuple(seqs) for seqs in carried]
 
     def remove_positions(self, seq: int, start: int) -> None:
         """Forget a sequence's positions from `start` on (-1: all of them)."""
@@ -256,12 +321,20 @@ class LlamaRunner(SessionRunner):
         return logits
 
     def _decode_all(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """Every row's tokens, in decodes of at most batch_tokens tokens; their outputs in order."""
-        plan: list[tuple[int, int, int, bool]] = []  # (token, seq, position, wants logits)
+        """Every row's tokens, in decodes of at most batch_tokens tokens; their outputs in order.
+        A row with a tree: its nodes at the root's position plus their depths, in the sequences
+        of `_tree_plan`."""
+        plan: list[tuple[int, tuple[int, ...], int, bool]] = []  # (token, sequences, position, wants logits)
         for row in rows:
-            start, n = row.entry.kv.length, len(row.tokens)
+            kv, start, n = row.entry.kv, row.entry.kv.length, len(row.tokens)
+            positions = list(range(start, start + n))
+            seqs = [(kv.seq,)] * n
+            if row.tree is not None:
+                fed = n - len(row.tree)
+                positions[fed:] = [start + fed - 1 + depth for depth in row.tree.depths()]
+                seqs = self._tree_plan(kv, row.tree, fed)
             for i, token in enumerate(row.tokens):
-                plan.append((token, row.entry.kv.seq, start + i, i >= n - row.keep_logits))
+                plan.append((token, seqs[i], positions[i], i >= n - row.keep_logits))
         outputs: list[torch.Tensor] = []
         for begin in range(0, len(plan), self.batch_tokens):
             outputs.append(self._decode(plan[begin:begin + self.batch_tokens]))
@@ -272,14 +345,15 @@ class LlamaRunner(SessionRunner):
             at += row.keep_logits
         return result
 
-    def _decode(self, part: Sequence[tuple[int, int, int, bool]]) -> torch.Tensor:
+    def _decode(self, part: Sequence[tuple[int, tuple[int, ...], int, bool]]) -> torch.Tensor:
         """One llama_decode -> the float32 logits of the positions that want them [n, vocab]."""
         batch = self.batch
-        for i, (token, seq, position, wants) in enumerate(part):
+        for i, (token, seqs, position, wants) in enumerate(part):
             batch.token[i] = token
             batch.pos[i] = position
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
+            batch.n_seq_id[i] = len(seqs)
+            for k, seq in enumerate(seqs):
+                batch.seq_id[i][k] = seq
             batch.logits[i] = wants
         batch.n_tokens = len(part)
         status = self.llama.llama_decode(self.context, batch)

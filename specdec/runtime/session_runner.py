@@ -60,6 +60,12 @@ class SessionRunner:
         """Whether forward_batch takes rows with a tree (and keep_path compacts one)."""
         return False
 
+    @property
+    def grows_trees(self) -> bool:
+        """Whether forward_batch also takes a tree whose earlier depths are in the cache already
+        (the draft grows a tree one depth per forward)."""
+        return self.verifies_trees
+
     def keep_path(self, entry: SessionCache, base: int, path: Sequence[int]) -> None:
         """After a tree's forward: keep the session's first `base` tokens, then the tree nodes
         `path` (node indices, ascending) moved to the positions right after them."""
