@@ -1,11 +1,14 @@
-"""bench/speedup.py's rows per --tree setting (the suite itself runs real services: not here)."""
+"""bench/speedup.py's rows per --tree setting and --methods (the suite itself runs real
+services: not here), and bench/policy_sim.py's run."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from bench import report
-from bench.speedup import AUTO_CHAINS, specdec_methods
+from bench.speedup import AUTO_CHAINS, select_methods, specdec_methods
 
 pytestmark = pytest.mark.unit
 
@@ -27,3 +30,26 @@ def test_tree_auto_leaves_auto_to_the_policy_beside_auto_held_to_chains():
     methods = specdec_methods(quick=True, tree="auto")
     assert "tree_nodes" not in methods[report.AUTO]  # unset: the coordinator's --trees auto decides
     assert tree_fields(methods) == {AUTO_CHAINS: 1}
+
+
+def test_methods_keep_target_only_and_auto_and_name_an_unknown_one():
+    methods = specdec_methods(quick=True)
+    chosen = select_methods(methods, "draft γ=4")
+    assert list(chosen) == [report.TARGET_ONLY, report.AUTO, f"{report.DRAFT_PREFIX}4"]
+    assert select_methods(methods, "") == methods
+    with pytest.raises(SystemExit, match="no method specdec eagle"):
+        select_methods(methods, "eagle")
+
+
+def test_policy_sim_writes_its_figures(tmp_path, monkeypatch, capsys):
+    """bench/policy_sim.py runs the real policy on simulated sessions (no model)."""
+    from bench import policy_sim
+
+    monkeypatch.setattr("sys.argv", ["policy_sim.py", "--seeds", "2", "--rounds", "12", "--out", str(tmp_path)])
+    assert policy_sim.main() == 0
+    data = json.loads((tmp_path / "policy_sim.json").read_text())
+    for model in ("flat", "slope"):
+        for kind in ("copy", "new"):
+            row = data["results"][model][kind]
+            assert row["tokens_per_cost"] > 0 and 0 <= row["lookup_rounds"] <= 12
+    assert "tokens/cost" in capsys.readouterr().out
