@@ -13,11 +13,15 @@ incremental: one dict per n maps an n-gram to the position right after its most 
 occurrence, and appending a token adds one entry per n, so a round costs O(max_ngram) whatever
 the history length. The index lags the history by one token on purpose: it holds every n-gram
 that ends before the last token, so looking up the suffix finds only *earlier* occurrences
-(never the suffix itself) and the continuation always has at least one token.
+(never the suffix itself) and the continuation always has at least one token. Per n it also
+chains each occurrence to the one before it (one int per position), so the continuations of
+the few latest occurrences (`continuations`: the branches a token tree can carry) cost as many
+steps as occurrences asked for.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -32,6 +36,9 @@ class NgramIndex:
         self.tokens: list[int] = []
         # _last[n - min_ngram]: n-gram key -> p, the index right after its latest occurrence
         self._last: list[dict[Hashable, int]] = [{} for _ in range(max_ngram - min_ngram + 1)]
+        # _before[n - min_ngram][p]: the p of the same n-gram's occurrence before the one ending
+        # at p - 1 (-1: none); indexed by p, one machine int per fed token
+        self._before: list[array] = [array("q") for _ in range(max_ngram - min_ngram + 1)]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -41,9 +48,14 @@ class NgramIndex:
         tokens = self.tokens
         for token in new_tokens:
             end = len(tokens)  # the n-grams ending at end - 1 become "earlier" occurrences
-            if end:
-                for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                    self._last[n - self.min_ngram][_key(tokens, end, n)] = end
+            for i, before in enumerate(self._before):
+                n = self.min_ngram + i
+                if 0 < end and n <= end:
+                    last, key = self._last[i], _key(tokens, end, n)
+                    before.append(last.get(key, -1))
+                    last[key] = end
+                else:
+                    before.append(-1)
             tokens.append(int(token))
 
     def match(self) -> tuple[int, int]:
@@ -66,11 +78,31 @@ class NgramIndex:
         n, p = self.match()
         if gamma <= 0 or p < 0:
             return 0, []
+        return n, self._copy(p, gamma)  # past the end: the copy repeats with period L - p
+
+
+    def continuations(self, gamma: int, occurrences: int) -> list[list[int]]:
+        """The γ tokens after each of the `occurrences` latest earlier occurrences of the
+        longest matched suffix (the latest first, as `lookup`), without repeats; [] without a
+        match."""
+        n, p = self.match()
+        if gamma <= 0 or p < 0:
+            return []
+        out: list[list[int]] = []
+        while p >= 0 and len(out) < occurrences:
+            tokens = self._copy(p, gamma)
+            if tokens not in out:
+                out.append(tokens)
+            p = self._before[n - self.min_ngram][p]
+        return out
+
+    def _copy(self, p: int, gamma: int) -> list[int]:
+        """γ tokens from p on, the copy running on into itself past the end of the history."""
         out = self.tokens[p:p + gamma]
         period = len(self.tokens) - p
-        while len(out) < gamma:  # past the end: the copy repeats with period L - p
+        while len(out) < gamma:
             out.append(out[len(out) - period])
-        return n, out
+        return out
 
 
 def _key(tokens: list[int], end: int, n: int) -> Hashable:
@@ -130,6 +162,11 @@ class NgramProposer:
         self.sync(history)
         self.last_order, tokens = self.index.lookup_with_order(min(gamma, self.max_tokens))
         return tokens
+
+    def continuations(self, gamma: int, occurrences: int) -> list[list[int]]:
+        """After `propose`: min(γ, max_tokens) tokens after each of the `occurrences` latest
+        earlier occurrences of the suffix it matched, distinct, the latest first."""
+        return self.index.continuations(min(gamma, self.max_tokens), occurrences)
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """Feedback after verification: how many of the proposed tokens the target accepted."""

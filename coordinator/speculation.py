@@ -35,6 +35,7 @@ from coordinator.policy import SOURCES, AcceptanceEstimate, CostModel, PolicyCon
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
 PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
 PRIOR_WEIGHT = 3.0   # a new session starts from that α worth this many trials
+LOOKUP_BRANCHES = 3  # a tree round grafts on what followed up to this many earlier occurrences
 
 
 class FixedCosts(CostModel):
@@ -66,7 +67,8 @@ class Plan:
     speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
     min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
     tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain)
-    branch: list[int] = field(default_factory=list)  # a draft tree: prompt lookup's tokens to graft on
+    branches: list[list[int]] = field(default_factory=list)  # a draft tree: prompt lookup's continuations
+    #                                                           to graft on (the latest occurrence's first)
 
 
 def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair_grows_trees: bool,
@@ -131,11 +133,12 @@ class RequestSpeculation:
                         time.perf_counter() - t0, choice.speedup)
         if choice.source == Proposer.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
-            if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as a branch
+            if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as branches
                 lookup = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
                           if candidates and self.governed else 0)  # a fixed γ: the tree asked for
+                branches = self.ngram.continuations(lookup, LOOKUP_BRANCHES) if lookup else []
                 return Plan(Proposer.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
-                            tree_nodes=tree_nodes, branch=candidates[:lookup])
+                            tree_nodes=tree_nodes, branches=branches)
             hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
             return Plan(Proposer.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
                         min_confidence=self.min_confidence)

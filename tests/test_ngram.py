@@ -167,3 +167,34 @@ def test_long_history_rounds():
     assert hits > 500
     print(f"\nindex 32k: {t_index * 1e3:.1f} ms; 1000 rounds: {t_rounds * 1e3:.1f} ms; "
           f"one rescan at {len(history)} tokens: {t_scan * 1e3:.1f} ms")
+
+
+def test_continuations_follow_the_latest_occurrences_of_the_matched_suffix():
+    index = NgramIndex(max_ngram=3)
+    index.feed([1, 2, 3, 9, 1, 2, 4, 1, 2, 5, 8, 1, 2])
+    assert index.match() == (2, 9)  # "1 2": the 3-gram "8 1 2" never occurred before
+    assert index.continuations(3, 4) == [[5, 8, 1], [4, 1, 2], [3, 9, 1]]
+    assert index.continuations(3, 1) == [index.lookup(3)]
+    assert index.continuations(0, 3) == [] and NgramIndex(2).continuations(3, 3) == []
+    repeats = NgramIndex(max_ngram=2)
+    repeats.feed([7, 7, 7, 7])  # every earlier "7 7" continues the same way: no repeats
+    assert repeats.continuations(3, 3) == [[7, 7, 7]]
+
+
+def test_continuations_agree_with_a_scan_of_the_history():
+    rng = random.Random(0)
+    for _ in range(50):
+        history = [rng.randrange(4) for _ in range(rng.randrange(2, 40))]
+        index = NgramIndex(max_ngram=3)
+        index.feed(history)
+        n, _ = index.match()
+        expected: list[list[int]] = []
+        if n:
+            ends = [p for p in range(len(history) - 1, n - 1, -1) if history[p - n:p] == history[-n:]]
+            for p in ends:  # the latest first, each copied on into itself as `lookup` does
+                tokens = history[p:p + 3]
+                while len(tokens) < 3:
+                    tokens.append(tokens[len(tokens) - (len(history) - p)])
+                if tokens not in expected and len(expected) < 3:
+                    expected.append(tokens)
+        assert index.continuations(3, 3) == expected, history

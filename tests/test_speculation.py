@@ -211,7 +211,13 @@ def test_a_tree_round_carries_prompt_lookups_branch_where_lookup_would_pay():
     plan = planned("auto", "auto", None, 0.5)
     # verification is flat under a pinned cost ratio: lookup's 8 tokens all pay (the copy of
     # 8 1 2 runs on into the suffix it matched)
-    assert (plan.source, plan.tree_nodes, plan.branch) == ("draft", 4, [8, 1, 2, 5, 6, 7, 8, 1])
-    assert planned("fixed", "auto", 3, 0.5).branch == []
-    assert planned("draft only", "draft", None, 0.5).branch == []
-    assert planned("useless lookup", "auto", None, 0.0).branch == []
+    assert (plan.source, plan.tree_nodes, plan.branches) == ("draft", 4, [[8, 1, 2, 5, 6, 7, 8, 1]])
+    assert planned("fixed", "auto", 3, 0.5).branches == []
+    assert planned("draft only", "draft", None, 0.5).branches == []
+    assert planned("useless lookup", "auto", None, 0.0).branches == []
+    # a suffix seen three times before: what followed each, the latest first
+    request = spec.start("several", "auto", None, tree_nodes=4, pair_grows_trees=True)
+    request.policy.seed("draft", 0.95, 100)
+    request.policy.seed("ngram", 0.5, 100)
+    several = request.plan([4, 9, 1, 4, 9, 2, 4, 9, 3, 4, 9], 3, True)
+    assert several.branches == [[3, 4, 9], [2, 4, 9], [1, 4, 9]]

@@ -24,7 +24,7 @@ from coordinator.calls import SessionCalls
 from coordinator.draft_ahead_trial import DraftAheadTrial
 from coordinator.proposers.base import ProposalSource
 from coordinator.proposers.draft_ahead import AheadCall, ahead_steps, take_predrafted
-from coordinator.proposers.prompt_lookup import with_lookup_branch
+from coordinator.proposers.prompt_lookup import with_lookup_branches
 from coordinator.rounds import Drafts, RequestRun, Round, RoundResult
 from coordinator.routing import Routes
 from coordinator.tasks import discard
@@ -73,8 +73,8 @@ class DraftModel(ProposalSource):
         # a plain round sends the draft at most 2 tokens; more is a catch-up prefill
         timed = lacking <= 2 and stats.cache_misses == misses
         grafted = 0
-        if proposal.parents and plan.branch:
-            proposal, grafted = with_lookup_branch(proposal, plan.branch, self.max_gamma)
+        if proposal.parents and plan.branches:
+            proposal, grafted = with_lookup_branches(proposal, plan.branches, self.max_gamma)
         return Drafts(proposal, Proposer.DRAFT, seconds if timed else None, seconds, lookup_nodes=grafted)
 
     def alongside(self, rnd: Round, drafts: Drafts) -> AheadCall | _Prefetch | None:

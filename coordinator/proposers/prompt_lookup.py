@@ -1,8 +1,9 @@
 """Prompt lookup as a proposal source: the tokens that followed the latest earlier occurrence of
 the session's last n-gram (coordinator/ngram.py), looked up while the round is planned (the
 policy needs to know how many there are), proposed with a one-hot q and no model call. In a
-draft round that grows a token tree, the same tokens can be grafted onto the draft's tree as a
-branch of their own (`with_lookup_branch`): the target verifies both in one pass."""
+draft round that grows a token tree, the same tokens, and what followed earlier occurrences of
+the suffix, can be grafted onto the draft's tree as branches of their own
+(`with_lookup_branches`): the target verifies them all in one pass."""
 
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
     return [SparseDist.one_hot(token) for token in tokens]
 
 
-def with_lookup_branch(proposal: Proposal, branch: Sequence[int], max_nodes: int) -> tuple[Proposal, int]:
-    """The draft's tree `proposal` with prompt lookup's `branch` grafted on (specdec.tree.graft:
-    it follows the draft's nodes it repeats, adds the rest after them, up to `max_nodes` nodes
-    in all), and how many nodes it added. An added node is deterministic given the history, as
-    the draft's ranked children are, so its q is one-hot and the tree walk stays exact."""
-    tree = TokenTree(tuple(proposal.draft_tokens), proposal.parents)
-    grown = graft(tree, branch, max_nodes)
+def with_lookup_branches(proposal: Proposal, branches: Sequence[Sequence[int]],
+                         max_nodes: int) -> tuple[Proposal, int]:
+    """The draft's tree `proposal` with prompt lookup's `branches` grafted on in turn
+    (specdec.tree.graft: each follows the nodes it repeats and adds the rest after them, up to
+    `max_nodes` nodes in all), and how many nodes they added. An added node is deterministic
+    given the history, as the draft's ranked children are, so its q is one-hot and the tree walk
+    stays exact."""
+    tree = grown = TokenTree(tuple(proposal.draft_tokens), proposal.parents)
+    for branch in branches:
+        grown = graft(grown, branch, max_nodes)
     added = len(grown) - len(tree)
     if not added:
         return proposal, 0
