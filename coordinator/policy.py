@@ -234,12 +234,19 @@ class CostModel:
         self.default_cost_ratio = default_cost_ratio
         self.verify = LinearFit(decay, "flat")
         self.propose = {source: LinearFit(decay, "proportional") for source in SOURCES}
+        # the draft growing a tree, against its depth: a depth's forward carries several nodes,
+        # so it is fitted apart from the chains' steps (and leaves their fit to chains)
+        self.tree_propose = LinearFit(decay, "proportional")
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.observe(tokens, seconds)
 
     def observe_propose(self, source: Proposer, gamma: int, seconds: float) -> None:
         self.propose[source].observe(gamma, seconds)
+
+    def observe_tree_propose(self, depth: int, seconds: float) -> None:
+        """The draft grew a tree `depth` deep (one forward per depth) in `seconds`."""
+        self.tree_propose.observe(depth, seconds)
 
     def relative_cost(self, source: Proposer, gamma: int, load: int = 1) -> float:
         """(t_propose(γ) + t_verify(load·(γ + 1))) / t_verify(load): a round's cost in plain-decode
@@ -263,18 +270,22 @@ class CostModel:
 
     def relative_tree_cost(self, depth: int, nodes: int, load: int = 1) -> float:
         """(t_propose(depth) + t_verify(load·(nodes + 1))) / t_verify(load): a draft round growing a
-        tree of `nodes` nodes (one draft forward per depth) in plain-decode steps. Unmeasured:
-        as `relative_cost` for the draft's `depth` steps (verification flat)."""
-        return self._relative(Proposer.DRAFT, [(depth, nodes + 1)], load)[0]
+        tree of `nodes` nodes (one draft forward per depth) in plain-decode steps, t_propose from
+        the tree rounds' own fit once it has one, else from the chains' steps. Unmeasured: as
+        `relative_cost` for the draft's `depth` steps (verification flat)."""
+        tree = self.tree_propose.coefficients()
+        return self._relative(Proposer.DRAFT, [(depth, nodes + 1)], load, tree)[0]
 
     def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
         """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""
         return [1.0] + self._relative(source, [(gamma, gamma + 1) for gamma in range(1, max_gamma + 1)], load)
 
-    def _relative(self, source: Proposer, rounds: list[tuple[int, int]], load: int) -> list[float]:
+    def _relative(self, source: Proposer, rounds: list[tuple[int, int]], load: int,
+                  propose: tuple[float, float] | None = None) -> list[float]:
         """Per (proposal steps, verified tokens) of a round, (t_propose(steps) +
-        t_verify(load·verified)) / t_verify(load), the fits solved once."""
-        verify, propose = self.verify.coefficients(), self.propose[source].coefficients()
+        t_verify(load·verified)) / t_verify(load), the fits solved once (`propose`: t_propose's
+        coefficients instead of the source's chain fit)."""
+        verify, propose = self.verify.coefficients(), propose or self.propose[source].coefficients()
         load = max(1, load)
         t1 = None if verify is None else verify[0] + verify[1] * load
         default = self.default_cost_ratio if source == Proposer.DRAFT else 0.0
@@ -309,8 +320,8 @@ class PolicyConfig:
     branch_prior_weight: float = 2.0   # trials' worth of that prior the measured b keeps
     tree_min_gain: float = 0.05        # a tree replaces the best chain only when its estimated speedup
     #                                    is higher by this fraction (b and the verify fit's slope past
-    #                                    the chains' sizes are estimates; a tree's draft forwards carry
-    #                                    several nodes)
+    #                                    the chains' sizes are estimates, and so is the draft's tree
+    #                                    cost until tree rounds are timed)
 
 
 @dataclass(frozen=True)
@@ -479,7 +490,7 @@ class SessionPolicy:
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
                 verified_tokens: int | None = None, trials: bool = True, ngram_order: int = 0,
-                batch_tokens: int | None = None) -> None:
+                batch_tokens: int | None = None, tree: bool = False) -> None:
         """After a round: what was proposed and accepted, and (optionally) how long it took.
 
         verified_tokens: the tokens the target's forward pass took (default proposed + 1).
@@ -488,6 +499,8 @@ class SessionPolicy:
         left as it was; the timings still count. ngram_order: a prompt-lookup round's match length.
         batch_tokens: the tokens verified across the coordinator's generations while this round's
         were (its own included; default verified_tokens): what the verify time is fitted against.
+        tree: a draft round that grew a token tree, `proposed` deep (its spine): its time goes to
+        the tree rounds' own fit.
         """
         if source not in (*SOURCES, Proposer.NONE):
             raise ValueError(f"source must be draft, ngram or none, got {source!r}")
@@ -501,7 +514,9 @@ class SessionPolicy:
             if trials and source == Proposer.NGRAM and ngram_order > 0:
                 self.ngram_orders.setdefault(ngram_order, AcceptanceEstimate(self.config.alpha_decay)).observe(
                     proposed, accepted)
-            if propose_seconds is not None:
+            if propose_seconds is not None and tree:
+                self.costs.observe_tree_propose(proposed, propose_seconds)
+            elif propose_seconds is not None:
                 self.costs.observe_propose(source, proposed, propose_seconds)
         tokens = proposed + 1 if verified_tokens is None else verified_tokens
         limit = self.config.max_timed_tokens or self.config.max_gamma + 1

@@ -164,10 +164,11 @@ class RequestSpeculation:
 
         The draft's α and step cost are about its own tokens: the kept hints are left out of
         both (its own tokens were tried only when the target accepted every kept hint). A tree
-        (`tree`, the target's `accepted_nodes`) counts as the chain of its spine for α and the
-        draft's steps (one forward per depth), and its alternatives beside the spine node the
-        target rejected measure b (policy.branch_alpha); its last `lookup_nodes` nodes, prompt
-        lookup's grafted branch, are neither."""
+        (`tree`, the target's `accepted_nodes`) counts as the chain of its spine for α, its time
+        goes to the tree rounds' own fit of the draft (one forward per depth, each carrying
+        several nodes), and its alternatives beside the spine node the target rejected measure b
+        (policy.branch_alpha); its last `lookup_nodes` nodes, prompt lookup's grafted branches,
+        are neither."""
         if tree is not None and proposed:
             outcome = tree_outcome(tree, accepted_nodes, len(tree) - lookup_nodes)
             self.policy.observe_branches(outcome.alternatives_tried, outcome.alternatives_accepted)
@@ -179,7 +180,8 @@ class RequestSpeculation:
         order = self._order if source == Proposer.NGRAM else 0
         self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
-                            ngram_order=order, batch_tokens=batch_tokens)
+                            ngram_order=order, batch_tokens=batch_tokens,
+                            tree=tree is not None and proposed > 0)
         if source == Proposer.NGRAM:
             self.ngram.observe(proposed, accepted)
         if source in self.priors and tried:

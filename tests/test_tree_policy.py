@@ -151,3 +151,27 @@ def test_pinned_costs_price_a_tree_by_its_depth():
     measured.observe_propose(Proposer.DRAFT, 4, 0.04)
     # (t_propose(2) + t_verify(9)) / t_verify(1) = (0.02 + 0.26) / 0.1
     assert measured.relative_tree_cost(2, 8) == pytest.approx(2.8)
+
+
+def test_tree_rounds_are_timed_apart_from_the_chains_steps():
+    """A tree's draft forwards carry several nodes: tree rounds' times go to a fit of their own,
+    which prices trees once it has data, and leave the chains' step cost alone."""
+    costs = CostModel(decay=1.0)
+    for n in (1, 5):
+        costs.observe_verify(n, 0.1 + 0.02 * (n - 1))
+    policy = SessionPolicy(PolicyConfig(max_gamma=8), costs)
+    policy.observe(Proposer.DRAFT, 2, 2, propose_seconds=0.02)  # chains: 0.01 s a step
+    policy.observe(Proposer.DRAFT, 4, 4, propose_seconds=0.04)
+    chain_before = costs.relative_cost(Proposer.DRAFT, 4)
+    assert costs.relative_tree_cost(2, 8) == pytest.approx((0.02 + 0.26) / 0.1)  # priced as chain steps
+    policy.observe(Proposer.DRAFT, 2, 1, propose_seconds=0.06, tree=True)  # trees: 0.03 s a depth
+    policy.observe(Proposer.DRAFT, 4, 4, propose_seconds=0.12, tree=True)
+    assert costs.relative_cost(Proposer.DRAFT, 4) == chain_before
+    assert costs.relative_tree_cost(2, 8) == pytest.approx((0.06 + 0.26) / 0.1)
+    # through the planner: a tree round's time is its spine's depth in the tree fit
+    spec = Speculation(8, 4, 3, 16, trees=Trees.AUTO)
+    request = spec.start("s", Proposer.AUTO, None, pair_grows_trees=True)
+    tree = TokenTree((5, 6, 7, 8), (0, 0, 0, 1))
+    request.observe(Proposer.DRAFT, 4, 2, propose_seconds=0.05, verify_seconds=None, verified_tokens=5,
+                    tree=tree, accepted_nodes=(0, 3))
+    assert spec.costs.tree_propose.w == 1.0 and spec.costs.propose[Proposer.DRAFT].w == 0.0
