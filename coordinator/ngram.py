@@ -80,7 +80,6 @@ class NgramIndex:
             return 0, []
         return n, self._copy(p, gamma)  # past the end: the copy repeats with period L - p
 
-
     def continuations(self, gamma: int, occurrences: int) -> list[list[int]]:
         """The γ tokens after each of the `occurrences` latest earlier occurrences of the
         longest matched suffix (the latest first, as `lookup`), without repeats; [] without a

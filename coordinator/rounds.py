@@ -79,7 +79,7 @@ class Drafts:
     propose_seconds: float | None = None    # what proposing took, where it prices the source
     #                                         (None: not a plain round, e.g. a catch-up prefill)
     call_seconds: float | None = None       # the draft call on the round's critical path (None: none)
-    lookup_nodes: int = 0                   # a draft tree's last nodes that are prompt lookup's branch
+    lookup_nodes: int = 0                   # a draft tree's last nodes that are prompt lookup's branches
 
 
 @dataclass
@@ -100,7 +100,7 @@ class RoundResult:
     ahead: DraftAhead | None = None    # a draft round's --draft-ahead mode (None: not the trial's)
     seconds: float = 0.0               # the round's own time: plan, propose, verify (not the store write)
     parents: tuple[int, ...] = ()      # the drafts as a tree (as on the wire); (): a chain
-    lookup_nodes: int = 0              # the tree's last nodes that are prompt lookup's grafted branch
+    lookup_nodes: int = 0              # the tree's last nodes that are prompt lookup's grafted branches
 
     @property
     def tree(self) -> TokenTree | None:

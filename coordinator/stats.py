@@ -43,8 +43,8 @@ class GenerationStats:
     tree_accepted_tokens: int = 0   # of accepted_tokens, the accepted paths' nodes of those trees
     tree_branch_accepted_tokens: int = 0  # of those, nodes off the draft's own chain (what a chain lacked)
     tree_accepted_per_depth: list[int] = field(default_factory=list)  # [d] -> tree rounds whose path reached depth d + 1
-    tree_lookup_tokens: int = 0     # of tree_draft_tokens, nodes of prompt lookup's branch grafted on
-    tree_lookup_accepted_tokens: int = 0  # of tree_accepted_tokens, nodes of that branch
+    tree_lookup_tokens: int = 0     # of tree_draft_tokens, nodes of prompt lookup's branches grafted on
+    tree_lookup_accepted_tokens: int = 0  # of tree_accepted_tokens, nodes of those branches
     rounds_by_gamma: list[int] = field(default_factory=list)  # [γ] -> rounds that proposed γ
     gamma_per_round: list[int] = field(default_factory=list)  # this request only (not cumulated)
 
@@ -77,7 +77,7 @@ class GenerationStats:
         """One round: γ tokens proposed by `source` (DRAFT, NGRAM; NONE when γ is 0), the first
         `hints_kept` of a draft round being prompt-lookup hints the draft model kept; a tree
         round's γ tokens are `tree`'s nodes, of which the target accepted the path
-        `accepted_nodes`, and whose last `lookup_nodes` nodes are prompt lookup's branch."""
+        `accepted_nodes`, and whose last `lookup_nodes` nodes are prompt lookup's branches."""
         if tree is not None and gamma:
             self._record_tree(tree, accepted_nodes, len(tree) - lookup_nodes)
         self.rounds += 1
