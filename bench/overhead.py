@@ -179,8 +179,8 @@ def serve(args) -> int:
 async def serve_coordinator(args) -> int:
     """Child process: the coordinator with its Propose/Verify calls and store writes timed."""
     from coordinator import server as coordinator_server
-    from coordinator.clients import DraftClient, TargetClient
-    from coordinator.engine import Engine
+    from coordinator.sessions.clients import DraftClient, TargetClient
+    from coordinator.round_loop import Engine
     from specdec.config import CoordinatorConfig
 
     calls, saves = Intervals(), Intervals()

@@ -5,7 +5,7 @@ Usage:
   python bench/policy_sim.py [--seeds 100] [--rounds 60] [--draft-alpha 0.8] [--copy-alpha 0.95]
                              [--new-alpha 0.15,0.25] [--cost-ratio 0.35]
 
-No model runs: each round the policy (coordinator/speculation.py, as the coordinator uses it)
+No model runs: each round the policy (coordinator/policy/speculation.py, as the coordinator uses it)
 chooses a source and γ, and the simulation accepts each proposed token with that source's α
 until the first rejection. Prompt lookup matches a suffix of 1, 2 or 3 tokens at random; in a
 copying session its α grows with the match length (α·(0.6 + 0.2·n)), in new text it is flat.
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.policy import CostModel  # noqa: E402
-from coordinator.speculation import FixedCosts, Speculation  # noqa: E402
+from coordinator.policy.session_policy import CostModel  # noqa: E402
+from coordinator.policy.speculation import FixedCosts, Speculation  # noqa: E402
 from specdec.types import Proposer  # noqa: E402
 
 ORDER = ("copy", "copy", "copy", "new", "new", "copy", "new")  # the sessions of one coordinator

@@ -25,14 +25,14 @@ from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerpr
 from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.clients import DraftClient, ServiceClient, TargetClient
-from coordinator.discovery import DiscoveryError, from_config as discovery_from_config
-from coordinator.engine import Engine
-from coordinator.openai_api import create_app
-from coordinator.routing import ReplicaPool, Routes
-from coordinator.servicer import CoordinatorServicer
-from coordinator.stores import open_store
-from coordinator.tiers import Tier
+from coordinator.sessions.clients import DraftClient, ServiceClient, TargetClient
+from coordinator.sessions.discovery import DiscoveryError, from_config as discovery_from_config
+from coordinator.round_loop import Engine
+from coordinator.api.openai_api import create_app
+from coordinator.sessions.routing import ReplicaPool, Routes
+from coordinator.api.servicer import CoordinatorServicer
+from coordinator.sessions.stores import open_store
+from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class HttpApiServer:
-    """The OpenAI-compatible HTTP API (coordinator/openai_api.py), served by uvicorn beside the
+    """The OpenAI-compatible HTTP API (coordinator/api/openai_api.py), served by uvicorn beside the
     gRPC server, in the same event loop, with the gRPC port's TLS certificates."""
 
     def __init__(self, server: uvicorn.Server, task: asyncio.Task, port: int):

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from specdec.tree import TokenTree, tree_outcome
 from specdec.types import Proposer
 
-from coordinator.tiers import Tier
+from coordinator.sessions.model_tiers import Tier
 
 PER_REQUEST = frozenset({"gamma_per_round"})  # fields that describe one request, never summed
 

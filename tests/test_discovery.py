@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.discovery import (
+from coordinator.sessions.discovery import (
     DiscoveryError, KubernetesDiscovery, ServiceRef, from_config, parse_addresses, ready_addresses,
 )
 from specdec import tiny

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.draft_ahead_trial import DraftAheadTrial
-from coordinator.speculation import FixedCosts
+from coordinator.policy.draft_ahead_trial import DraftAheadTrial
+from coordinator.policy.speculation import FixedCosts
 from specdec.runtime.loader import load_model
 from specdec.sampling import target_probs
 from specdec.types import SamplingParams

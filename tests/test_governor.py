@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.load_governor import PLAIN, SPECULATE, LoadGovernor, load_band
-from coordinator.speculation import Speculation
+from coordinator.policy.load_governor import PLAIN, SPECULATE, LoadGovernor, load_band
+from coordinator.policy.speculation import Speculation
 
 
 class Clock:

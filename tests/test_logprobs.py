@@ -92,7 +92,7 @@ def test_no_logprobs_unless_asked_and_out_of_range_refused(cluster):
 
 @pytest.mark.unit
 def test_tokens_are_named_by_their_own_bytes():
-    from coordinator.openai_protocol import TokenText
+    from coordinator.api.openai_protocol import TokenText
     from specdec import tiny
 
     tokenizer = tiny.byte_level_tokenizer()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.ngram import NgramIndex, NgramProposer
+from coordinator.sources.lookup_index import NgramIndex, NgramProposer
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (coordinator/openai_api.py) through the official openai client
+"""The OpenAI-compatible HTTP API (coordinator/api/openai_api.py) through the official openai client
 and raw HTTP, against the real services: it generates what the gRPC API generates."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ try:  # the HTTP client the openai package brings: httpx, or its renamed fork in
 except ImportError:
     import httpx
 
-from coordinator.openai_protocol import TokenText
+from coordinator.api.openai_protocol import TokenText
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.e2e

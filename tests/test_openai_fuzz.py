@@ -1,4 +1,4 @@
-"""Fuzz the bodies of POST /v1/completions and /v1/chat/completions (coordinator/openai_api.py):
+"""Fuzz the bodies of POST /v1/completions and /v1/chat/completions (coordinator/api/openai_api.py):
 JSON objects with every field of odd values, unknown fields and garbage, and raw bodies that are
 no JSON object at all. Every answer is 2xx or 4xx, never 5xx; a 4xx carries OpenAI's error JSON;
 a 2xx is the endpoint's shape, a streamed one ends with `data: [DONE]`; the servers stay up."""

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy import (
+from coordinator.policy.session_policy import (
     AcceptanceEstimate, CostModel, LinearFit, PolicyConfig, SessionPolicy, best_gamma,
     expected_tokens, leviathan_speedup,
 )
@@ -141,7 +141,7 @@ def test_the_coordinator_wide_draft_alpha_keeps_a_few_rejections_from_pricing_th
     """A session's own draft α forgets fast: eight rejected rounds after six good ones pull it to
     ~0.6, where prompt lookup at α ~0.2 looked better. The pair's α over all sessions (0.95 here)
     stays in the estimate with draft_prior_weight trials' worth, and the draft keeps its rounds."""
-    from coordinator.speculation import FixedCosts
+    from coordinator.policy.speculation import FixedCosts
 
     prior = AcceptanceEstimate(0.98)
     for i in range(30):
@@ -345,7 +345,7 @@ def test_gamma_falls_under_load_when_the_batch_stops_being_free():
 def test_a_source_that_was_winning_is_probed_soon_after_it_stops():
     """A few rejections can pull a good draft's α under break-even; it is probed after
     `lapsed_probe_interval` rounds, not `probe_interval`."""
-    from coordinator.speculation import FixedCosts
+    from coordinator.policy.speculation import FixedCosts
 
     config = PolicyConfig(max_gamma=8, probe_interval=16, lapsed_probe_interval=4)
     policy = SessionPolicy(config, FixedCosts(0.3))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.proposers.prompt_lookup import one_hot_dists
-from coordinator.speculation import FixedCosts, Speculation
+from coordinator.sources.prompt_lookup import one_hot_dists
+from coordinator.policy.speculation import FixedCosts, Speculation
 from specdec.types import SparseDist
 
 pytestmark = pytest.mark.unit

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.policy import (
+from coordinator.policy.session_policy import (
     CostModel, PolicyConfig, SessionPolicy, expected_tokens, tree_budgets, tree_expected_tokens,
 )
-from coordinator.speculation import FixedCosts, Speculation, auto_tree_budget
+from coordinator.policy.speculation import FixedCosts, Speculation, auto_tree_budget
 from specdec.tree import TokenTree
 from specdec.types import Proposer, Trees
 

@@ -1,5 +1,5 @@
 """Prompt lookup as a proposal source: the tokens that followed the latest earlier occurrence of
-the session's last n-gram (coordinator/ngram.py), looked up while the round is planned (the
+the session's last n-gram (coordinator/sources/lookup_index.py), looked up while the round is planned (the
 policy needs to know how many there are), proposed with a one-hot q and no model call. In a
 draft round that grows a token tree, the same tokens, and what followed earlier occurrences of
 the suffix, can be grafted onto the draft's tree as branches of their own
@@ -13,7 +13,7 @@ from typing import Sequence
 from specdec.tree import TokenTree, graft
 from specdec.types import Proposal, Proposer, SparseDist
 
-from coordinator.proposers.base import ProposalSource
+from coordinator.sources.base import ProposalSource
 from coordinator.rounds import Drafts, Round
 
 

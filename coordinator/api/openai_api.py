@@ -24,8 +24,8 @@ from specdec import errors
 from specdec.rpc.security import bearer_token
 from specdec.types import Proposer, SamplingParams, TokenLogprobs
 
-from coordinator.engine import Engine
-from coordinator.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from coordinator.round_loop import Engine
+from coordinator.api.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                          SpecdecFields, TokenText, chat_logprobs, completion_logprobs, error_body,
                                          new_id, now, specdec_object, usage)
 from coordinator.request import GenerationRequest

@@ -37,7 +37,7 @@ from typing import Callable
 
 from specdec.types import DraftAhead
 
-from coordinator.load_governor import load_band
+from coordinator.policy.load_governor import load_band
 
 ON, OFF = DraftAhead.ON, DraftAhead.OFF  # a round's mode; AUTO is a setting only
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from specdec.fingerprint import extend_hash
 from specdec.logtag import session_tag
 from specdec.types import Proposal, Proposer, SamplingParams, Verdict
 
-from coordinator.clients import DraftClient
+from coordinator.sessions.clients import DraftClient
 from coordinator.rounds import Predrafted, RequestRun, Round
 from coordinator.tasks import discard
-from coordinator.tiers import Tier
+from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.errors import SpecdecError, Unavailable
 from specdec.types import ModelDescription
 
-from coordinator.clients import ServiceClient, release_quietly
-from coordinator.discovery import Discovery
-from coordinator.store import Placement, SessionRecord
-from coordinator.tiers import Tier
+from coordinator.sessions.clients import ServiceClient, release_quietly
+from coordinator.sessions.discovery import Discovery
+from coordinator.sessions.store import Placement, SessionRecord
+from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 

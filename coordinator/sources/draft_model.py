@@ -20,15 +20,15 @@ from specdec.config import CoordinatorConfig
 from specdec.errors import InvalidArgument, ResourceExhausted, ServiceFault, Unavailable
 from specdec.types import DraftAhead, ModelDescription, Proposer, SamplingParams, Verdict
 
-from coordinator.calls import SessionCalls
-from coordinator.draft_ahead_trial import DraftAheadTrial
-from coordinator.proposers.base import ProposalSource
-from coordinator.proposers.draft_ahead import AheadCall, ahead_steps, take_predrafted
-from coordinator.proposers.prompt_lookup import with_lookup_branches
+from coordinator.session_calls import SessionCalls
+from coordinator.policy.draft_ahead_trial import DraftAheadTrial
+from coordinator.sources.base import ProposalSource
+from coordinator.sources.draft_ahead import AheadCall, ahead_steps, take_predrafted
+from coordinator.sources.prompt_lookup import with_lookup_branches
 from coordinator.rounds import Drafts, RequestRun, Round, RoundResult
-from coordinator.routing import Routes
+from coordinator.sessions.routing import Routes
 from coordinator.tasks import discard
-from coordinator.tiers import Tier
+from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 

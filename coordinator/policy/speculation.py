@@ -29,8 +29,8 @@ from typing import Sequence
 from specdec.tree import TokenTree, tree_outcome
 from specdec.types import Proposer, Trees
 
-from coordinator.ngram import NgramProposer
-from coordinator.policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, ProbeClock, SessionPolicy
+from coordinator.sources.lookup_index import NgramProposer
+from coordinator.policy.session_policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, ProbeClock, SessionPolicy
 
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
 PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)

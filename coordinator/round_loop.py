@@ -25,22 +25,22 @@ from specdec.rng import RequestRng
 from specdec.tree import TokenTree
 from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs, Trees
 
-from coordinator.calls import SessionCalls
-from coordinator.lease_keeper import LeaseKeeper
-from coordinator.load_governor import LoadGovernor
-from coordinator.proposers.base import ProposalSource
-from coordinator.proposers.draft_model import DraftModel
-from coordinator.proposers.none import NoProposals
-from coordinator.proposers.prompt_lookup import PromptLookup
+from coordinator.session_calls import SessionCalls
+from coordinator.sessions.lease_keeper import LeaseKeeper
+from coordinator.policy.load_governor import LoadGovernor
+from coordinator.sources.base import ProposalSource
+from coordinator.sources.draft_model import DraftModel
+from coordinator.sources.none import NoProposals
+from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
 from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult
-from coordinator.routing import Routes
-from coordinator.speculation import RequestSpeculation, Speculation, is_governed
+from coordinator.sessions.routing import Routes
+from coordinator.policy.speculation import RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
-from coordinator.store import Lease, SessionRecord, SessionStore
+from coordinator.sessions.store import Lease, SessionRecord, SessionStore
 from coordinator.streamed_text import StreamedText
 from coordinator.tasks import discard
-from coordinator.tiers import Tier, tiers_compete
+from coordinator.sessions.model_tiers import Tier, tiers_compete
 
 log = logging.getLogger(__name__)
 

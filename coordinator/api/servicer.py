@@ -7,7 +7,7 @@ from specdec.rpc.status import map_errors
 from specdec.types import Proposer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.engine import Engine
+from coordinator.round_loop import Engine
 from coordinator.request import GenerationRequest
 from coordinator.rounds import FinishReason
 from coordinator.stats import GenerationStats

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from specdec.types import DiscoveryKind
 
-from coordinator.tiers import Tier
+from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 

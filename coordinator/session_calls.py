@@ -20,10 +20,10 @@ from specdec.errors import CacheMiss, FailedPrecondition, Unavailable
 from specdec.logtag import session_tag
 from specdec.types import Proposal, SamplingParams, Verdict
 
-from coordinator.clients import ServiceClient
+from coordinator.sessions.clients import ServiceClient
 from coordinator.rounds import RequestRun
-from coordinator.routing import Routes
-from coordinator.tiers import Tier
+from coordinator.sessions.routing import Routes
+from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.types import Proposer
 
-from coordinator.proposers.base import ProposalSource
+from coordinator.sources.base import ProposalSource
 from coordinator.rounds import Drafts, Round
 
 

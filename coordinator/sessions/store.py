@@ -15,7 +15,7 @@ from typing import Protocol
 
 from specdec.errors import FailedPrecondition, NotFound, SessionBusy
 
-from coordinator.tiers import Tier
+from coordinator.sessions.model_tiers import Tier
 
 
 @dataclass(frozen=True)
