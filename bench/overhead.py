@@ -180,13 +180,13 @@ async def serve_coordinator(args) -> int:
     """Child process: the coordinator with its Propose/Verify calls and store writes timed."""
     from coordinator import server as coordinator_server
     from coordinator.sessions.clients import DraftClient, TargetClient
-    from coordinator.round_loop import Engine
+    from coordinator.round_loop import RoundLoop
     from specdec.config import CoordinatorConfig
 
     calls, saves = Intervals(), Intervals()
     DraftClient.propose = calls.wrap_async(DraftClient.propose)
     TargetClient.verify = calls.wrap_async(TargetClient.verify)
-    Engine.overlap_store = args.overlap == "on"
+    RoundLoop.overlap_store = args.overlap == "on"
     running = await coordinator_server.start(CoordinatorConfig(
         draft=args.draft, target=args.target, port=args.port, session_store=args.store,
         rpc_transport=args.transport, draft_ahead=args.draft_ahead, tiers_share_cores=args.tiers_share_cores))

@@ -42,7 +42,7 @@ def sloped_costs() -> CostModel:
     for n in range(1, 10):
         costs.observe_verify(n, 0.24 + 0.015 * (n - 1))
         costs.observe_propose(Proposer.DRAFT, n, 0.08 * n)
-        costs.observe_propose(Proposer.NGRAM, n, 0.0001)
+        costs.observe_propose(Proposer.PROMPT_LOOKUP, n, 0.0001)
     return costs
 
 
@@ -54,13 +54,13 @@ def run_session(spec: Speculation, name: str, lookup_alpha, draft_alpha: float, 
     lookups = 0
     for _ in range(rounds):
         order = rng.choice((1, 2, 3))
-        choice = request.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
-        request._order = order if choice.source == Proposer.NGRAM else 0
-        alpha = lookup_alpha(order) if choice.source == Proposer.NGRAM else draft_alpha
+        choice = request.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
+        request._order = order if choice.source == Proposer.PROMPT_LOOKUP else 0
+        alpha = lookup_alpha(order) if choice.source == Proposer.PROMPT_LOOKUP else draft_alpha
         accepted = 0
         while accepted < choice.gamma and rng.random() < alpha:
             accepted += 1
-        lookups += choice.source == Proposer.NGRAM
+        lookups += choice.source == Proposer.PROMPT_LOOKUP
         tokens += accepted + 1
         cost += 1.0 if choice.gamma == 0 else spec.costs.relative_cost(choice.source, choice.gamma)
         request.observe(choice.source, choice.gamma, accepted, propose_seconds=None, verify_seconds=None,

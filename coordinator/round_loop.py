@@ -45,7 +45,7 @@ from coordinator.sessions.model_tiers import Tier, tiers_compete
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class RoundLoop:
     # Start the next round while this round's store write runs (see the module docstring).
     # bench/overhead.py turns it off to measure what it saves.
     overlap_store = True

@@ -27,7 +27,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from coordinator.sessions.clients import DraftClient, ServiceClient, TargetClient
 from coordinator.sessions.discovery import DiscoveryError, from_config as discovery_from_config
-from coordinator.round_loop import Engine
+from coordinator.round_loop import RoundLoop
 from coordinator.api.openai_api import create_app
 from coordinator.sessions.routing import ReplicaPool, Routes
 from coordinator.api.servicer import CoordinatorServicer
@@ -144,7 +144,7 @@ class HttpApiServer:
         self.port = port  # the bound port (what -1 picked)
 
     @classmethod
-    async def start(cls, engine: Engine, config: CoordinatorConfig, api_key: str | None) -> "HttpApiServer":
+    async def start(cls, engine: RoundLoop, config: CoordinatorConfig, api_key: str | None) -> "HttpApiServer":
         if not -1 <= config.http_port <= 65535:
             raise StartupError(f"--http-port must be a port number, 0 (off) or -1 (any free port), "
                                f"got {config.http_port}")
@@ -186,7 +186,7 @@ class HttpApiServer:
 class RunningCoordinator:
     server: grpc.aio.Server
     port: int
-    engine: Engine
+    engine: RoundLoop
     metrics_server: MetricsServer | None = None
     http: HttpApiServer | None = None  # the OpenAI-compatible API (--http-port), None when off
 
@@ -277,7 +277,7 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         log.warning("%s", exc)
     metrics = Metrics("coordinator")
     try:
-        engine = Engine(config, store, routes, tokenizer, draft_info, target_info, metrics)
+        engine = RoundLoop(config, store, routes, tokenizer, draft_info, target_info, metrics)
         metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
     except (ValueError, OSError) as exc:
         await asyncio.gather(store.close(), routes.close())

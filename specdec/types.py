@@ -22,7 +22,9 @@ class Proposer(StrEnum):
 
     AUTO = "auto"    # per round, whichever source the policy expects to pay most
     DRAFT = "draft"  # the draft model (the draft service)
-    NGRAM = "ngram"  # prompt lookup in the session's own history (no model call)
+    # prompt lookup in the session's own history (no model call); its value, the wire enum's
+    # PROPOSER_NGRAM and the flags keep the old name "ngram"
+    PROMPT_LOOKUP = "ngram"
     NONE = "none"    # no proposals: plain target decoding
 
 

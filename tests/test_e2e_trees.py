@@ -133,7 +133,7 @@ def believe_draft_and_lookup(cluster: Cluster) -> None:
         if fresh:
             policy.draft_prior = None
             policy.seed(Proposer.DRAFT, 0.9, 10_000)
-            policy.seed(Proposer.NGRAM, 0.5, 10_000)
+            policy.seed(Proposer.PROMPT_LOOKUP, 0.5, 10_000)
         return policy
 
     speculation.policy = believing

@@ -117,7 +117,7 @@ def test_lookup_alpha_per_match_length_reaches_new_sessions():
         first.observe(plan.source, plan.gamma, plan.gamma, propose_seconds=0.0, verify_seconds=None,
                       verified_tokens=plan.gamma + 1)
     assert spec.order_priors[3].alpha == 1.0
-    assert spec.start("later", "ngram", None).policy.ngram_alpha(3) == 1.0
+    assert spec.start("later", "ngram", None).policy.lookup_alpha(3) == 1.0
 
 
 def test_sessions_share_the_probes_of_a_draft_that_does_not_pay():
@@ -156,7 +156,7 @@ def test_a_new_text_session_is_believed_at_every_match_length():
     copying = spec.start("copying", "auto", None)
     for round_ in range(30):
         order = 1 + round_ % 3
-        choice = copying.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
+        choice = copying.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
         copying._order = order if choice.source == "ngram" else 0
         copying.observe(choice.source, choice.gamma, choice.gamma, propose_seconds=None,
                         verify_seconds=None, verified_tokens=choice.gamma + 1)
@@ -165,16 +165,16 @@ def test_a_new_text_session_is_believed_at_every_match_length():
     chosen_lookups = 0  # rounds the policy gave prompt lookup as the best source (not probes)
     for round_ in range(30):
         order = 1 + round_ % 3
-        choice = new_text.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
+        choice = new_text.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
         new_text._order = order if choice.source == "ngram" else 0
         accepted = 0 if choice.source == "ngram" else choice.gamma
         chosen_lookups += choice.source == "ngram" and choice.reason == "best"
         new_text.observe(choice.source, choice.gamma, accepted, propose_seconds=None,
                          verify_seconds=None, verified_tokens=choice.gamma + 1)
     assert chosen_lookups <= 2  # learning each match length in turn, it was 6 (twice at each)
-    assert max(new_text.policy.ngram_alpha(order) for order in (1, 2, 3)) < 0.5
+    assert max(new_text.policy.lookup_alpha(order) for order in (1, 2, 3)) < 0.5
     # a copying session that starts now is still believed at once
-    assert spec.start("copying again", "auto", None).policy.ngram_alpha(3) == 1.0
+    assert spec.start("copying again", "auto", None).policy.lookup_alpha(3) == 1.0
 
 
 def test_a_new_session_counts_the_coordinator_wide_draft_alpha_once():
@@ -202,10 +202,10 @@ def test_a_tree_round_carries_prompt_lookups_branch_where_lookup_would_pay():
     the request asked for), the draft proposer alone, or a lookup that does not pay carry none."""
     spec = speculation(cost_ratio=0.1)
 
-    def planned(name, mode, fixed_gamma, ngram_alpha):
+    def planned(name, mode, fixed_gamma, lookup_alpha):
         request = spec.start(name, mode, fixed_gamma, tree_nodes=4, pair_grows_trees=True)
         request.policy.seed("draft", 0.95, 100)
-        request.policy.seed("ngram", ngram_alpha, 100)
+        request.policy.seed("ngram", lookup_alpha, 100)
         return request.plan(HISTORY, 8, True)
 
     plan = planned("auto", "auto", None, 0.5)

@@ -116,10 +116,10 @@ def test_auto_requests_get_trees_and_a_chain_only_pair_or_off_never():
 
 def test_prompt_lookup_rounds_are_never_trees():
     spec = flat_speculation()
-    request = spec.start("s", Proposer.NGRAM, None, pair_grows_trees=True)
+    request = spec.start("s", Proposer.PROMPT_LOOKUP, None, pair_grows_trees=True)
     history = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
     planned = [request.plan(history, 8, True) for _ in range(10)]
-    assert {p.source for p in planned} == {Proposer.NGRAM} and not any(p.tree_nodes for p in planned)
+    assert {p.source for p in planned} == {Proposer.PROMPT_LOOKUP} and not any(p.tree_nodes for p in planned)
 
 
 def test_a_tree_round_feeds_the_spine_to_alpha_and_its_alternatives_to_b():

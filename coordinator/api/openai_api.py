@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API of the coordinator: JSON in, engine call, OpenAI's shapes out.
 
-/v1/completions and /v1/chat/completions call Engine.generate as the gRPC servicer does, so
+/v1/completions and /v1/chat/completions call RoundLoop.generate as the gRPC servicer does, so
 a request generates exactly what the same gRPC request would. Errors, domain or HTTP, become
 OpenAI's error body in one place (`error_reply`). Streaming is server-sent events; the first
 chunk is awaited before the response starts, so a refused request still gets its own status.
@@ -24,7 +24,7 @@ from specdec import errors
 from specdec.rpc.security import bearer_token
 from specdec.types import Proposer, SamplingParams, TokenLogprobs
 
-from coordinator.round_loop import Engine
+from coordinator.round_loop import RoundLoop
 from coordinator.api.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                          SpecdecFields, TokenText, chat_logprobs, completion_logprobs, error_body,
                                          new_id, now, specdec_object, usage)
@@ -169,7 +169,7 @@ class OpenAIApi:
     """The handlers: each reads its body, builds a GenerationRequest, and shapes what the engine
     yields as OpenAI does."""
 
-    def __init__(self, engine: Engine, api_key: str | None, max_body_bytes: int):
+    def __init__(self, engine: RoundLoop, api_key: str | None, max_body_bytes: int):
         self.engine = engine
         self.model_id = engine.target_info.model_id
         self.api_key = api_key.encode("ascii") if api_key else None
@@ -403,7 +403,7 @@ def _include_usage(body: SpecdecFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def create_app(engine: Engine, api_key: str | None, max_body_bytes: int) -> FastAPI:
+def create_app(engine: RoundLoop, api_key: str | None, max_body_bytes: int) -> FastAPI:
     """The FastAPI app of the OpenAI-compatible API over `engine`."""
     api = OpenAIApi(engine, api_key, max_body_bytes)
     app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)

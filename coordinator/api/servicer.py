@@ -7,7 +7,7 @@ from specdec.rpc.status import map_errors
 from specdec.types import Proposer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.round_loop import Engine
+from coordinator.round_loop import RoundLoop
 from coordinator.request import GenerationRequest
 from coordinator.rounds import FinishReason
 from coordinator.stats import GenerationStats
@@ -25,7 +25,7 @@ PROPOSER_FROM_PB = {
     coordinator_pb2.PROPOSER_UNSPECIFIED: None,
     coordinator_pb2.PROPOSER_AUTO: Proposer.AUTO,
     coordinator_pb2.PROPOSER_DRAFT: Proposer.DRAFT,
-    coordinator_pb2.PROPOSER_NGRAM: Proposer.NGRAM,
+    coordinator_pb2.PROPOSER_NGRAM: Proposer.PROMPT_LOOKUP,  # the wire keeps its old name
     coordinator_pb2.PROPOSER_NONE: Proposer.NONE,
 }
 
@@ -61,7 +61,7 @@ def stats_to_pb(stats: GenerationStats) -> common_pb2.GenerationStats:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: RoundLoop):
         self.engine = engine
 
     @map_errors

@@ -69,7 +69,7 @@ from typing import Iterator
 from specdec.tree import TREE_WIDTH
 from specdec.types import Proposer
 
-SOURCES = (Proposer.DRAFT, Proposer.NGRAM)  # the sources that propose tokens
+SOURCES = (Proposer.DRAFT, Proposer.PROMPT_LOOKUP)  # the sources that propose tokens
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -328,7 +328,7 @@ class PolicyConfig:
 class Choice:
     """A round's plan. Unpacks as ``source, gamma = choice``."""
 
-    source: Proposer   # DRAFT | NGRAM | NONE
+    source: Proposer   # DRAFT | PROMPT_LOOKUP | NONE
     gamma: int         # tokens to propose (0 exactly when source is "none")
     reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
@@ -372,7 +372,7 @@ class SessionPolicy:
             self.costs = CostModel(c.timing_decay, c.default_cost_ratio)
         self.sources = {s: _SourceState(AcceptanceEstimate(c.alpha_decay), ProbeClock(c.probe_interval))
                         for s in SOURCES}
-        self.ngram_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
+        self.lookup_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
         if self.branch is None:
             self.branch = AcceptanceEstimate(c.alpha_decay)
 
@@ -411,14 +411,14 @@ class SessionPolicy:
         accepted `accepted` (0 or 1, the last tried) of them."""
         self.branch.observe_trials(tried, accepted)
 
-    def ngram_alpha(self, order: int = 0) -> float | None:
+    def lookup_alpha(self, order: int = 0) -> float | None:
         """Prompt lookup's α for a match of `order` tokens (0: unknown): the session's own
         estimate at that length once it has `order_min_trials` trials, else `_order_prior` (None
         before any trial or prior)."""
-        own = self.ngram_orders.get(order)
+        own = self.lookup_orders.get(order)
         if own is not None and own.trials >= self.config.order_min_trials:
             return own.alpha
-        overall = self.alpha(Proposer.NGRAM)
+        overall = self.alpha(Proposer.PROMPT_LOOKUP)
         return None if overall is None else self._order_prior(order, overall)
 
     def _order_prior(self, order: int, overall: float) -> float:
@@ -436,8 +436,8 @@ class SessionPolicy:
         """How many of prompt lookup's `available` tokens a round of its own would propose now
         (the γ of its best speedup; 0 when that does not beat plain decoding): what a draft
         tree round grafts on as a branch."""
-        alpha = self.ngram_alpha(order) or 0.0
-        costs = self.costs.relative_costs(Proposer.NGRAM, min(available, self.config.max_gamma), load)
+        alpha = self.lookup_alpha(order) or 0.0
+        costs = self.costs.relative_costs(Proposer.PROMPT_LOOKUP, min(available, self.config.max_gamma), load)
         gamma, speedup = _argmax_speedup(alpha, costs)
         return gamma if speedup > 1.0 + self.config.min_gain else 0
 
@@ -455,15 +455,15 @@ class SessionPolicy:
         if source != Proposer.DRAFT or self._shared_draft_alpha() is None:
             estimate.successes, estimate.trials = alpha * weight, float(weight)
 
-    def choose(self, max_gamma: int | None = None, ngram_available: int = 0,
+    def choose(self, max_gamma: int | None = None, lookup_available: int = 0,
                draft_available: bool = True, mode: Proposer = Proposer.AUTO,
-               fixed_gamma: int | None = None, ngram_order: int = 0, load: int = 1,
+               fixed_gamma: int | None = None, lookup_order: int = 0, load: int = 1,
                max_tree_nodes: int = 0) -> Choice:
         """The source and γ of the next round.
 
         max_gamma: this round's cap (tokens left, context room, the services' limits);
-        ngram_available: how many tokens the n-gram proposer has for this round;
-        ngram_order: the length of the suffix it matched (0: unknown);
+        lookup_available: how many tokens the n-gram proposer has for this round;
+        lookup_order: the length of the suffix it matched (0: unknown);
         load: generations sharing the target now (this one included);
         draft_available: False while the draft tier is failing;
         mode / fixed_gamma: the request's override (fixed source and / or fixed γ);
@@ -476,7 +476,7 @@ class SessionPolicy:
         if fixed_gamma is not None and fixed_gamma < 0:
             raise ValueError(f"fixed_gamma must be >= 0, got {fixed_gamma}")
         cap = self.config.max_gamma if max_gamma is None else max_gamma
-        caps = self._caps(mode, cap, ngram_available, draft_available)
+        caps = self._caps(mode, cap, lookup_available, draft_available)
         if fixed_gamma == 0 or mode == Proposer.NONE:
             return self._chose(caps, Choice(Proposer.NONE, 0, "override"))
         if not caps:
@@ -484,19 +484,19 @@ class SessionPolicy:
         if fixed_gamma is not None and mode != Proposer.AUTO:
             return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
         return self._chose(caps, self._explore(caps, fixed_gamma)
-                           or self._best(caps, fixed_gamma, ngram_order, load,
+                           or self._best(caps, fixed_gamma, lookup_order, load,
                                          0 if fixed_gamma is not None else max_tree_nodes))
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
-                verified_tokens: int | None = None, trials: bool = True, ngram_order: int = 0,
+                verified_tokens: int | None = None, trials: bool = True, lookup_order: int = 0,
                 batch_tokens: int | None = None, tree: bool = False) -> None:
         """After a round: what was proposed and accepted, and (optionally) how long it took.
 
         verified_tokens: the tokens the target's forward pass took (default proposed + 1).
         Pass None as a time to leave a round out of the timings (a resend after a cache miss).
         trials=False: the proposals were never tried (the round ended before them), so α is
-        left as it was; the timings still count. ngram_order: a prompt-lookup round's match length.
+        left as it was; the timings still count. lookup_order: a prompt-lookup round's match length.
         batch_tokens: the tokens verified across the coordinator's generations while this round's
         were (its own included; default verified_tokens): what the verify time is fitted against.
         tree: a draft round that grew a token tree, `proposed` deep (its spine): its time goes to
@@ -511,8 +511,8 @@ class SessionPolicy:
                 self.sources[source].acceptance.observe(proposed, accepted)
             else:  # a round all the same: warm-up ends even if its own tokens are never tried
                 self.sources[source].acceptance.rounds += 1
-            if trials and source == Proposer.NGRAM and ngram_order > 0:
-                self.ngram_orders.setdefault(ngram_order, AcceptanceEstimate(self.config.alpha_decay)).observe(
+            if trials and source == Proposer.PROMPT_LOOKUP and lookup_order > 0:
+                self.lookup_orders.setdefault(lookup_order, AcceptanceEstimate(self.config.alpha_decay)).observe(
                     proposed, accepted)
             if propose_seconds is not None and tree:
                 self.costs.observe_tree_propose(proposed, propose_seconds)
@@ -523,14 +523,14 @@ class SessionPolicy:
         if verify_seconds is not None and 0 < tokens <= limit:
             self.costs.observe_verify(max(tokens, batch_tokens or 0), verify_seconds)
 
-    def _caps(self, mode: Proposer, cap: int, ngram_available: int,
+    def _caps(self, mode: Proposer, cap: int, lookup_available: int,
               draft_available: bool) -> dict[Proposer, int]:
         """Per eligible source, the most tokens it may propose this round."""
         caps = {}
         if mode in (Proposer.AUTO, Proposer.DRAFT) and draft_available and cap > 0:
             caps[Proposer.DRAFT] = cap
-        if mode in (Proposer.AUTO, Proposer.NGRAM) and min(cap, ngram_available) > 0:
-            caps[Proposer.NGRAM] = min(cap, ngram_available)
+        if mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP) and min(cap, lookup_available) > 0:
+            caps[Proposer.PROMPT_LOOKUP] = min(cap, lookup_available)
         return caps
 
     def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None) -> Choice | None:
@@ -546,13 +546,13 @@ class SessionPolicy:
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None
 
-    def _best(self, caps: dict[Proposer, int], fixed_gamma: int | None, ngram_order: int = 0,
+    def _best(self, caps: dict[Proposer, int], fixed_gamma: int | None, lookup_order: int = 0,
               load: int = 1, max_tree_nodes: int = 0) -> Choice:
         """The eligible source and γ (a draft round: or tree) with the largest estimated speedup;
         none when no source beats plain decoding (with a fixed γ a source is always used)."""
         options = []
         for source, cap in caps.items():
-            alpha = (self.ngram_alpha(ngram_order) if source == Proposer.NGRAM else self.alpha(source)) or 0.0
+            alpha = (self.lookup_alpha(lookup_order) if source == Proposer.PROMPT_LOOKUP else self.alpha(source)) or 0.0
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
                 speedup = expected_tokens(alpha, gamma) / self.costs.relative_cost(source, gamma, load)

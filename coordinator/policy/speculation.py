@@ -29,7 +29,7 @@ from typing import Sequence
 from specdec.tree import TokenTree, tree_outcome
 from specdec.types import Proposer, Trees
 
-from coordinator.sources.lookup_index import NgramProposer
+from coordinator.sources.lookup_index import SessionLookup
 from coordinator.policy.session_policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, ProbeClock, SessionPolicy
 
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
@@ -59,7 +59,7 @@ class FixedCosts(CostModel):
 class Plan:
     """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's (ngram only)."""
 
-    source: Proposer            # DRAFT | NGRAM | NONE
+    source: Proposer            # DRAFT | PROMPT_LOOKUP | NONE
     gamma: int                  # tokens to propose (draft: its steps; kept hints come on top)
     tokens: list[int] = field(default_factory=list)  # ngram: the proposal; draft: the hints
     reason: str = ""
@@ -91,7 +91,7 @@ def is_governed(mode: Proposer, fixed_gamma: int | None) -> bool:
 class RequestSpeculation:
     """One request's planner: its override, the session's policy and an n-gram index."""
 
-    def __init__(self, policy: SessionPolicy, ngram: NgramProposer, mode: Proposer,
+    def __init__(self, policy: SessionPolicy, ngram: SessionLookup, mode: Proposer,
                  fixed_gamma: int | None, priors: dict[Proposer, AcceptanceEstimate] | None = None,
                  draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
                  min_confidence: float = 0.0, tree_nodes: int = 0, max_tree_nodes: int = 0) -> None:
@@ -121,15 +121,15 @@ class RequestSpeculation:
             return Plan(Proposer.NONE, 0, [], "load")
         t0 = time.perf_counter()
         candidates: list[int] = []
-        if self.mode in (Proposer.AUTO, Proposer.NGRAM) and cap > 0 and self.fixed_gamma != 0:
+        if self.mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP) and cap > 0 and self.fixed_gamma != 0:
             candidates = self.ngram.propose(history, cap)
         self._order = self.ngram.last_order if candidates else 0
-        choice = self.policy.choose(max_gamma=cap, ngram_available=len(candidates),
+        choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
-                                    fixed_gamma=self.fixed_gamma, ngram_order=self._order, load=self.load,
+                                    fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
                                     max_tree_nodes=self.max_tree_nodes)
-        if choice.source == Proposer.NGRAM:
-            return Plan(Proposer.NGRAM, choice.gamma, candidates[:choice.gamma], choice.reason,
+        if choice.source == Proposer.PROMPT_LOOKUP:
+            return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
                         time.perf_counter() - t0, choice.speedup)
         if choice.source == Proposer.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
@@ -146,10 +146,10 @@ class RequestSpeculation:
 
     def describe(self, plan: Plan) -> str:
         """A round's plan with the estimates behind it, for the debug log."""
-        alpha, ngram_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.ngram_alpha(self.ngram.last_order)
+        alpha, lookup_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.lookup_alpha(self.ngram.last_order)
         shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
         return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
-                f"{_fmt(alpha)} ngram {_fmt(ngram_alpha)}; draft round of 4 costs "
+                f"{_fmt(alpha)} ngram {_fmt(lookup_alpha)}; draft round of 4 costs "
                 f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load})")
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
@@ -177,12 +177,12 @@ class RequestSpeculation:
             source = Proposer.NONE
         own, own_accepted = proposed - hints_kept, accepted - hints_kept
         tried = own_accepted >= 0
-        order = self._order if source == Proposer.NGRAM else 0
+        order = self._order if source == Proposer.PROMPT_LOOKUP else 0
         self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
-                            ngram_order=order, batch_tokens=batch_tokens,
+                            lookup_order=order, batch_tokens=batch_tokens,
                             tree=tree is not None and proposed > 0)
-        if source == Proposer.NGRAM:
+        if source == Proposer.PROMPT_LOOKUP:
             self.ngram.observe(proposed, accepted)
         if source in self.priors and tried:
             self.priors[source].observe(own, own_accepted)
@@ -226,7 +226,7 @@ class Speculation:
         if policy is None:
             policy = self._policies[session_id] = SessionPolicy(
                 self.config, self.costs, self.priors[Proposer.DRAFT], self.draft_probe_clock, self.branch,
-                self.priors[Proposer.NGRAM], self.order_priors)
+                self.priors[Proposer.PROMPT_LOOKUP], self.order_priors)
             for source, prior in self.priors.items():
                 if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                     policy.seed(source, prior.alpha, PRIOR_WEIGHT)
@@ -243,7 +243,7 @@ class Speculation:
         """A request's planner. tree_nodes: the request's (0 unset, 1 chains, 2+ a tree of that
         many nodes every draft round); pair_grows_trees: the draft grows trees and the target
         verifies them (else every round is a chain)."""
-        ngram = NgramProposer(self.ngram_max, 1, self.ngram_max_tokens)
+        ngram = SessionLookup(self.ngram_max, 1, self.ngram_max_tokens)
         budget = auto_tree_budget(self.trees, tree_nodes, fixed_gamma, pair_grows_trees, self.config.max_gamma)
         return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
                                   self.draft_hints, self.order_priors, self.min_confidence,

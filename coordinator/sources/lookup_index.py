@@ -110,7 +110,7 @@ def _key(tokens: list[int], end: int, n: int) -> Hashable:
 
 
 @dataclass
-class NgramStats:
+class LookupStats:
     """A session's prompt-lookup feedback (vLLM's draft / accepted counters)."""
 
     proposals: int = 0
@@ -122,7 +122,7 @@ class NgramStats:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
 
-class NgramProposer:
+class SessionLookup:
     """One per session: an incremental index kept in step with the session's history.
 
     ``propose(history, γ)`` then ``observe(proposed, accepted)`` — the two-method interface of
@@ -140,7 +140,7 @@ class NgramProposer:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
         self.index = NgramIndex(max_ngram, min_ngram)
-        self.stats = NgramStats()
+        self.stats = LookupStats()
         self.last_order = 0  # n of the suffix the last proposal matched (0: none)
 
     def feed(self, new_tokens: Sequence[int]) -> None:

@@ -41,11 +41,11 @@ def with_lookup_branches(proposal: Proposal, branches: Sequence[Sequence[int]],
 
 
 class PromptLookup(ProposalSource):
-    proposer = Proposer.NGRAM
+    proposer = Proposer.PROMPT_LOOKUP
 
     async def propose(self, rnd: Round) -> Drafts:
         tokens = list(rnd.plan.tokens)
         if not tokens:
             return Drafts()
-        return Drafts(Proposal(tokens, one_hot_dists(tokens)), Proposer.NGRAM,
+        return Drafts(Proposal(tokens, one_hot_dists(tokens)), Proposer.PROMPT_LOOKUP,
                       propose_seconds=rnd.plan.propose_seconds)
