@@ -84,7 +84,7 @@ def main() -> int:
         by_kind: dict[str, list[tuple[float, int]]] = {"copy": [], "new": []}
         for seed in range(args.seeds):
             rng = random.Random(seed)
-            spec = Speculation(8, 4, 3, 8)
+            spec = Speculation(8, 4)
             spec.costs = FixedCosts(args.cost_ratio) if model == "flat" else sloped_costs()
             new_turn = 0
             for i, kind in enumerate(ORDER):

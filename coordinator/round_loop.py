@@ -35,7 +35,7 @@ from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
 from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult
 from coordinator.sessions.routing import Routes
-from coordinator.policy.speculation import RequestSpeculation, Speculation, is_governed
+from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
 from coordinator.sessions.store import Lease, SessionRecord, SessionStore
 from coordinator.streamed_text import StreamedText
@@ -73,16 +73,16 @@ class RoundLoop:
         self.metrics = metrics or Metrics("coordinator")
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
-                                       config.ngram_max, config.ngram_max_tokens, config.draft_cost_ratio,
-                                       draft_hints=config.draft_hints,
+                                       config.draft_cost_ratio, draft_hints=config.draft_hints,
                                        min_confidence=config.draft_min_confidence, trees=Trees(config.trees))
         self.calls = SessionCalls(routes, config)
         self.draft_model = DraftModel(self.calls, routes, config, draft_info, self.max_gamma,
                                       self.context_length, load=lambda: self.active,
                                       beside_verification=not tiers_compete(
                                           CoreSharing(config.tiers_share_cores), draft_info, target_info))
+        self.prompt_lookup = PromptLookup(config.ngram_max, config.ngram_max_tokens)
         self.sources: dict[Proposer, ProposalSource] = {
-            source.proposer: source for source in (self.draft_model, PromptLookup(), NoProposals())}
+            source.proposer: source for source in (self.draft_model, self.prompt_lookup, NoProposals())}
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -118,8 +118,7 @@ class RoundLoop:
     async def _abandon(self, record: SessionRecord, lease: Lease) -> None:
         """Free the KV caches a request leaves behind; its committed tokens stay in the store."""
         await self.routes.release(record)
-        for tier in Tier:
-            record.hold(tier, 0)
+        self.calls.released(record)
         try:
             await self.store.save(record, lease)
         except SpecdecError as exc:
@@ -203,9 +202,7 @@ class RoundLoop:
                     round_logprobs = list(result.verdict.logprobs[:len(round_tokens)])
                     if self.governor is not None:
                         self.governor.record(len(round_tokens))
-                    for tier in Tier:  # a replica never holds more than is committed
-                        if record.placement(tier).held > len(record.token_ids):
-                            record.hold(tier, len(record.token_ids))
+                    self.calls.committed(record)  # a replica never holds more than is committed
                     run.stats.generated_tokens = len(generated)
                     self._observe_policy(spec, result)  # before the next round is planned
                     for source in self.sources.values():
@@ -283,7 +280,9 @@ class RoundLoop:
             stats.fallback_rounds += 1
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches
         allowed = self.governor is None or self.governor.speculate(self.adaptive)
-        plan = spec.plan(record.token_ids, cap, draft_up, allowed)
+        lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
+                  if spec.looks_up(cap, allowed) else NO_LOOKUP)
+        plan = spec.plan(lookup, cap, draft_up, allowed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("session %s round: %s", session_tag(record.session_id), spec.describe(plan))
         return Round(run, spec, plan, len(record.token_ids), cap, params, rng, draft_seed, target_seed,
@@ -293,7 +292,7 @@ class RoundLoop:
                      rng: RequestRng) -> RoundResult:
         """One round: plan it, ask the planned source for its proposals (prompt lookup makes no
         draft call; a failing draft makes the round target-only), one verification with every
-        source's side work alongside; updates what each tier holds. What the draft holds stays
+        source's side work alongside; records what the draft holds as the sources report it. What the draft holds stays
         as it was when a round does not call it: its next call sends what it lacks."""
         rnd = self._plan(run, spec, cap, params, rng)
         record, stats, base = run.record, run.stats, rnd.base
@@ -320,13 +319,12 @@ class RoundLoop:
             stats.record_round(len(tokens), verdict.num_accepted, drafts.source, proposal.hints_kept,
                                TokenTree(tuple(tokens), proposal.parents) if proposal.parents else None,
                                verdict.accepted_nodes, drafts.lookup_nodes)
-            source.observe(rnd, drafts, verdict)
+            self.calls.draft_holds(record, source.observe(rnd, drafts, verdict))
             for call in side:
-                await call.settle(verdict)
+                self.calls.draft_holds(record, await call.settle(verdict))
         finally:
             for call in side:  # cancelled meanwhile: no call left behind
                 call.cancel()
-        record.hold(Tier.TARGET, base + verdict.num_accepted)
         # a plain round sends the target its one new token; more is a prefill or a resend
         verified = lacking + len(tokens) if lacking == 1 and stats.cache_misses == misses else 0
         return RoundResult(

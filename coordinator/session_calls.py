@@ -6,6 +6,12 @@ On a cache miss (the replica lost the session, or holds another history) the cal
 with the full history from prefix_len 0; while the tier is unreachable it is retried, on the
 next replica when there is one, for up to its retry budget — with the same seeds, so a retried
 round draws the same numbers.
+
+`SessionCalls` is also the one owner of what each replica holds (the session record's
+`Placement.held`): only it records a held length, after its own calls (a miss: nothing; a
+Verify: the history and the accepted drafts) and as the round loop reports the rest (what the
+draft holds after a round, as its sources say; what is left once a round is committed or a
+request abandons its caches). The replica itself is chosen by the routes (a move holds nothing).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from specdec.types import Proposal, SamplingParams, Verdict
 from coordinator.sessions.clients import ServiceClient
 from coordinator.rounds import RequestRun
 from coordinator.sessions.routing import Routes
+from coordinator.sessions.store import SessionRecord
 from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -48,12 +55,38 @@ class SessionCalls:
 
     async def verify(self, run: RequestRun, drafts: list[int], proposal: Proposal, params: SamplingParams,
                      seed: int) -> Verdict:
+        """The target's verdict on `drafts`; the target then holds the history and the accepted drafts."""
         sid = run.record.session_id
-        return await self._with_resend(run, Tier.TARGET, lambda target, prefix, new_tokens: target.verify(
+        base = len(run.record.token_ids)
+        verdict = await self._with_resend(run, Tier.TARGET, lambda target, prefix, new_tokens: target.verify(
             sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed,
             wait_for_ready=False, cache_salt=run.cache_salt, top_logprobs=run.top_logprobs,
             draft_parents=list(proposal.parents)),
             retry_s=self.config.target_retry_s)
+        run.record.hold(Tier.TARGET, base + verdict.num_accepted)
+        return verdict
+
+    # ---- what the replicas hold, as the round loop reports it ------------------------------------
+
+    @staticmethod
+    def draft_holds(record: SessionRecord, held: int | None) -> None:
+        """After a round: the draft holds the first `held` committed tokens (None: as recorded)."""
+        if held is not None:
+            record.hold(Tier.DRAFT, held)
+
+    @staticmethod
+    def committed(record: SessionRecord) -> None:
+        """A round was committed: a replica never holds more than is committed (a round may
+        commit fewer tokens than were accepted: an end of sequence, a stop string, the length)."""
+        for tier in Tier:
+            if record.placement(tier).held > len(record.token_ids):
+                record.hold(tier, len(record.token_ids))
+
+    @staticmethod
+    def released(record: SessionRecord) -> None:
+        """The request released the session's caches: no replica holds any of it now."""
+        for tier in Tier:
+            record.hold(tier, 0)
 
     async def _with_resend(self, run: RequestRun, tier: Tier, call: Call, retry_s: float = 0.0) -> Any:
         """call(client, prefix_len, new_tokens) with the session's replica and what it lacks. On a

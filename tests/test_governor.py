@@ -6,6 +6,7 @@ import pytest
 
 from coordinator.policy.load_governor import PLAIN, SPECULATE, LoadGovernor, load_band
 from coordinator.policy.speculation import Speculation
+from tests.planning import plan_round
 
 
 class Clock:
@@ -185,12 +186,12 @@ def test_a_trial_stops_when_the_load_goes():
 
 @pytest.mark.unit
 def test_a_plain_verdict_only_overrides_adaptive_auto_requests():
-    spec = Speculation(max_gamma=8, default_gamma=4, ngram_max=3, ngram_max_tokens=8)
+    spec = Speculation(max_gamma=8, default_gamma=4)
     history = [5, 6, 7, 8, 1, 2, 5, 6, 7]
-    assert spec.start("a", "auto", None).plan(history, 8, True, allowed=False).source == "none"
-    assert spec.start("b", "auto", None).plan(history, 8, True, allowed=True).source != "none"
-    assert spec.start("c", "auto", 3).plan(history, 8, True, allowed=False).gamma == 3  # fixed γ
-    assert spec.start("d", "draft", None).plan(history, 8, True, allowed=False).source == "draft"
+    assert plan_round(spec.start("a", "auto", None), history, 8, True, allowed=False).source == "none"
+    assert plan_round(spec.start("b", "auto", None), history, 8, True, allowed=True).source != "none"
+    assert plan_round(spec.start("c", "auto", 3), history, 8, True, allowed=False).gamma == 3  # fixed γ
+    assert plan_round(spec.start("d", "draft", None), history, 8, True, allowed=False).source == "draft"
 
 
 @pytest.mark.e2e

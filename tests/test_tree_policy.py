@@ -11,6 +11,7 @@ from coordinator.policy.session_policy import (
 from coordinator.policy.speculation import FixedCosts, Speculation, auto_tree_budget
 from specdec.tree import TokenTree
 from specdec.types import Proposer, Trees
+from tests.planning import plan_round
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +94,7 @@ def test_auto_tree_budget_only_where_the_pair_and_the_request_allow():
 
 def flat_speculation(trees: Trees = Trees.AUTO) -> Speculation:
     """Leviathan's flat verification (pinned c) and an unsure draft over all sessions."""
-    spec = Speculation(8, 4, 3, 16, cost_ratio=0.1, trees=trees)
+    spec = Speculation(8, 4, cost_ratio=0.1, trees=trees)
     prior = spec.priors[Proposer.DRAFT]
     prior.successes, prior.trials, prior.rounds = UNSURE * 1000, 1000.0, 100
     return spec
@@ -102,7 +103,7 @@ def flat_speculation(trees: Trees = Trees.AUTO) -> Speculation:
 def plans(spec: Speculation, rounds: int = 20, **start):
     request = spec.start("s", start.pop("mode", Proposer.AUTO), start.pop("fixed_gamma", None), **start)
     history = list(range(50))  # no repeats: prompt lookup finds nothing
-    return [request.plan(history, 8, True) for _ in range(rounds)]
+    return [plan_round(request, history, 8, True) for _ in range(rounds)]
 
 
 def test_auto_requests_get_trees_and_a_chain_only_pair_or_off_never():
@@ -118,7 +119,7 @@ def test_prompt_lookup_rounds_are_never_trees():
     spec = flat_speculation()
     request = spec.start("s", Proposer.PROMPT_LOOKUP, None, pair_grows_trees=True)
     history = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
-    planned = [request.plan(history, 8, True) for _ in range(10)]
+    planned = [plan_round(request, history, 8, True) for _ in range(10)]
     assert {p.source for p in planned} == {Proposer.PROMPT_LOOKUP} and not any(p.tree_nodes for p in planned)
 
 
@@ -129,7 +130,7 @@ def test_a_tree_round_feeds_the_spine_to_alpha_and_its_alternatives_to_b():
     #   |
     #   n3              the spine
     tree = TokenTree((5, 6, 7, 8), (0, 0, 0, 1))
-    spec = Speculation(8, 4, 3, 16, cost_ratio=0.1, trees=Trees.AUTO)
+    spec = Speculation(8, 4, cost_ratio=0.1, trees=Trees.AUTO)
     request = spec.start("s", Proposer.AUTO, None, pair_grows_trees=True)
     request.observe(Proposer.DRAFT, 4, 1, propose_seconds=None, verify_seconds=None, verified_tokens=5,
                     tree=tree, accepted_nodes=(2,))  # the spine's n0 rejected, n1 tried, n2 accepted
@@ -169,7 +170,7 @@ def test_tree_rounds_are_timed_apart_from_the_chains_steps():
     assert costs.relative_cost(Proposer.DRAFT, 4) == chain_before
     assert costs.relative_tree_cost(2, 8) == pytest.approx((0.06 + 0.26) / 0.1)
     # through the planner: a tree round's time is its spine's depth in the tree fit
-    spec = Speculation(8, 4, 3, 16, trees=Trees.AUTO)
+    spec = Speculation(8, 4, trees=Trees.AUTO)
     request = spec.start("s", Proposer.AUTO, None, pair_grows_trees=True)
     tree = TokenTree((5, 6, 7, 8), (0, 0, 0, 1))
     request.observe(Proposer.DRAFT, 4, 2, propose_seconds=0.05, verify_seconds=None, verified_tokens=5,

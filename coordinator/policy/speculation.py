@@ -4,11 +4,12 @@
 acceptance per source over all sessions (a new session starts from it rather than spending
 warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acceptance
 estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
-`RequestSpeculation`, which holds the request's override (proposer, fixed γ) and an n-gram
-proposer indexing the session's history incrementally.
+`RequestSpeculation`, which holds the request's override (proposer, fixed γ).
 
-A round: ``plan = spec.plan(history, cap, draft_available)``; an n-gram plan carries its
-tokens (proposed with a one-hot q: proposers/prompt_lookup.py); under `auto` a
+The planner only chooses: prompt lookup (the source in coordinator/sources/prompt_lookup.py)
+looks the session's tokens up first and hands it a `Lookup`, what it found. A round:
+``plan = spec.plan(lookup, cap, draft_available)``; a prompt-lookup plan carries the tokens of
+the lookup it chose (the source proposes them with a one-hot q); under `auto` a
 draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
 forward and keeps where it agrees (so γ draft steps may propose more than γ tokens), and an
 adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
@@ -24,12 +25,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable
 
 from specdec.tree import TokenTree, tree_outcome
 from specdec.types import Proposer, Trees
 
-from coordinator.sources.lookup_index import SessionLookup
 from coordinator.policy.session_policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, ProbeClock, SessionPolicy
 
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
@@ -56,12 +56,27 @@ class FixedCosts(CostModel):
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """What prompt lookup found in the session's tokens for a round, for the planner to choose from."""
+
+    tokens: list[int] = field(default_factory=list)  # what followed the suffix's latest earlier
+    #                                                  occurrence, at most the round's cap ([]: no match)
+    order: int = 0                                    # the length of the suffix that matched (0: none)
+    seconds: float = 0.0                              # what looking up took
+    # (γ, occurrences) -> γ tokens after each of the latest earlier occurrences, distinct, the latest first
+    continuations: Callable[[int, int], list[list[int]]] = lambda gamma, occurrences: []
+
+
+NO_LOOKUP = Lookup()  # the round does not look up (its request does not use prompt lookup)
+
+
+@dataclass(frozen=True)
 class Plan:
-    """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's (ngram only)."""
+    """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's."""
 
     source: Proposer            # DRAFT | PROMPT_LOOKUP | NONE
     gamma: int                  # tokens to propose (draft: its steps; kept hints come on top)
-    tokens: list[int] = field(default_factory=list)  # ngram: the proposal; draft: the hints
+    tokens: list[int] = field(default_factory=list)  # prompt lookup: the proposal; draft: the hints
     reason: str = ""
     propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
     speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
@@ -89,21 +104,21 @@ def is_governed(mode: Proposer, fixed_gamma: int | None) -> bool:
 
 
 class RequestSpeculation:
-    """One request's planner: its override, the session's policy and an n-gram index."""
+    """One request's planner: its override and the session's policy."""
 
-    def __init__(self, policy: SessionPolicy, ngram: SessionLookup, mode: Proposer,
+    def __init__(self, policy: SessionPolicy, mode: Proposer,
                  fixed_gamma: int | None, priors: dict[Proposer, AcceptanceEstimate] | None = None,
                  draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
                  min_confidence: float = 0.0, tree_nodes: int = 0, max_tree_nodes: int = 0) -> None:
         mode = Proposer(mode)  # ValueError for anything else
-        self.policy, self.ngram, self.mode, self.fixed_gamma = policy, ngram, mode, fixed_gamma
+        self.policy, self.mode, self.fixed_gamma = policy, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
         self.governed = is_governed(mode, fixed_gamma)
         self.draft_hints = draft_hints and self.governed  # a fixed γ is γ tokens
         self.min_confidence = min_confidence if fixed_gamma is None else 0.0  # likewise
         # prompt lookup's α per match length over all sessions (fed here, read by new sessions)
         self.order_priors = order_priors if order_priors is not None else {}
-        self._order = 0  # the match length of the planned n-gram round
+        self._order = 0  # the match length of the planned prompt-lookup round
         self.load = 1  # generations sharing the target (set by the engine before each plan)
         self.tree_nodes = tree_nodes if tree_nodes > 1 else 0  # every draft round a tree of this many nodes
         self.max_tree_nodes = 0 if self.tree_nodes else max_tree_nodes  # or the policy's, up to this many
@@ -113,30 +128,34 @@ class RequestSpeculation:
         """Whether this request may call the draft model at all."""
         return self.mode in (Proposer.AUTO, Proposer.DRAFT) and self.fixed_gamma != 0
 
-    def plan(self, history: Sequence[int], cap: int, draft_available: bool, allowed: bool = True) -> Plan:
-        """The next round's source and γ (at most `cap`: tokens left, context room, limits).
+    def looks_up(self, cap: int, allowed: bool = True) -> bool:
+        """Whether the next round's plan would use what prompt lookup finds (else it need not look)."""
+        return ((allowed or not self.governed) and self.mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP)
+                and cap > 0 and self.fixed_gamma != 0)
+
+    def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True) -> Plan:
+        """The next round's source and γ (at most `cap`: tokens left, context room, limits), given
+        what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used).
         allowed=False: the coordinator measured that speculation does not pay under the current
         load (governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
         if not allowed and self.governed:
             return Plan(Proposer.NONE, 0, [], "load")
         t0 = time.perf_counter()
-        candidates: list[int] = []
-        if self.mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP) and cap > 0 and self.fixed_gamma != 0:
-            candidates = self.ngram.propose(history, cap)
-        self._order = self.ngram.last_order if candidates else 0
+        candidates = lookup.tokens[:cap] if self.looks_up(cap) else []
+        self._order = lookup.order if candidates else 0
         choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
                                     fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
                                     max_tree_nodes=self.max_tree_nodes)
         if choice.source == Proposer.PROMPT_LOOKUP:
             return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
-                        time.perf_counter() - t0, choice.speedup)
+                        lookup.seconds + time.perf_counter() - t0, choice.speedup)
         if choice.source == Proposer.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
             if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as branches
-                lookup = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
-                          if candidates and self.governed else 0)  # a fixed γ: the tree asked for
-                branches = self.ngram.continuations(lookup, LOOKUP_BRANCHES) if lookup else []
+                gamma = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
+                         if candidates and self.governed else 0)  # a fixed γ: the tree asked for
+                branches = lookup.continuations(gamma, LOOKUP_BRANCHES) if gamma else []
                 return Plan(Proposer.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
                             tree_nodes=tree_nodes, branches=branches)
             hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
@@ -146,10 +165,10 @@ class RequestSpeculation:
 
     def describe(self, plan: Plan) -> str:
         """A round's plan with the estimates behind it, for the debug log."""
-        alpha, lookup_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.lookup_alpha(self.ngram.last_order)
+        alpha, lookup_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.lookup_alpha(self._order)
         shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
         return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
-                f"{_fmt(alpha)} ngram {_fmt(lookup_alpha)}; draft round of 4 costs "
+                f"{_fmt(alpha)} prompt lookup {_fmt(lookup_alpha)}; draft round of 4 costs "
                 f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load})")
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
@@ -182,8 +201,6 @@ class RequestSpeculation:
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
                             lookup_order=order, batch_tokens=batch_tokens,
                             tree=tree is not None and proposed > 0)
-        if source == Proposer.PROMPT_LOOKUP:
-            self.ngram.observe(proposed, accepted)
         if source in self.priors and tried:
             self.priors[source].observe(own, own_accepted)
         if order and own:
@@ -193,12 +210,8 @@ class RequestSpeculation:
 class Speculation:
     """One per coordinator: the shared round costs and the sessions' policies."""
 
-    def __init__(self, max_gamma: int, default_gamma: int, ngram_max: int, ngram_max_tokens: int,
-                 cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True,
+    def __init__(self, max_gamma: int, default_gamma: int, cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True,
                  min_confidence: float = 0.0, trees: Trees = Trees.OFF) -> None:
-        if ngram_max < 1 or ngram_max_tokens < 1:
-            raise ValueError(f"need ngram_max >= 1 and ngram_max_tokens >= 1, got {ngram_max}, "
-                             f"{ngram_max_tokens}")
         if cost_ratio < 0:
             raise ValueError(f"draft cost ratio must be >= 0 (0 = measure), got {cost_ratio}")
         if not 0.0 <= min_confidence < 1.0:
@@ -207,7 +220,6 @@ class Speculation:
                                    probe_gamma=max(1, min(2, max_gamma)))
         self.costs = FixedCosts(cost_ratio) if cost_ratio > 0 else CostModel(
             self.config.timing_decay, self.config.default_cost_ratio)
-        self.ngram_max, self.ngram_max_tokens = ngram_max, ngram_max_tokens
         self.max_sessions, self.draft_hints, self.min_confidence = max_sessions, draft_hints, min_confidence
         self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
         # α per source over all sessions: a new session starts from it instead of warming up
@@ -243,9 +255,8 @@ class Speculation:
         """A request's planner. tree_nodes: the request's (0 unset, 1 chains, 2+ a tree of that
         many nodes every draft round); pair_grows_trees: the draft grows trees and the target
         verifies them (else every round is a chain)."""
-        ngram = SessionLookup(self.ngram_max, 1, self.ngram_max_tokens)
         budget = auto_tree_budget(self.trees, tree_nodes, fixed_gamma, pair_grows_trees, self.config.max_gamma)
-        return RequestSpeculation(self.policy(session_id), ngram, mode, fixed_gamma, self.priors,
+        return RequestSpeculation(self.policy(session_id), mode, fixed_gamma, self.priors,
                                   self.draft_hints, self.order_priors, self.min_confidence,
                                   tree_nodes if pair_grows_trees else 0, budget)
 

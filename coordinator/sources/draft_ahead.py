@@ -24,7 +24,6 @@ from specdec.types import Proposal, Proposer, SamplingParams, Verdict
 from coordinator.sessions.clients import DraftClient
 from coordinator.rounds import Predrafted, RequestRun, Round
 from coordinator.tasks import discard
-from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +68,20 @@ class AheadCall:
             client, run.record.session_id, rnd.base + k - 1, prefix_hash, drafts[-1], steps, rnd.params,
             seed, rnd.plan.min_confidence, timeout_s, k, run.cache_salt))
 
-    async def settle(self, verdict: Verdict) -> None:
+    async def settle(self, verdict: Verdict) -> int | None:
         """Keep the drafts made ahead for the next round when the target took every draft and
         its bonus token is the draft's guess (the draft then holds the history up to that
-        bonus); else drop the call."""
+        bonus: returned); else drop the call."""
         drafts = self.drafts
         if not (verdict.is_bonus and verdict.num_accepted == len(drafts)):
             await self.discard()  # its work on the draft is wasted; the next call rolls it back
-            return
+            return None
         proposal = await self.future
         if proposal is None or len(proposal.draft_tokens) < 2 or proposal.draft_tokens[0] != verdict.next_token:
-            return
+            return None
         self.run.predrafted = Predrafted(self.base + len(drafts) + 1, Proposal(
             proposal.draft_tokens[1:], proposal.draft_probs[1:], proposal.cached_len))
-        self.run.record.hold(Tier.DRAFT, self.base + len(drafts) + 1)  # it fed dγ and the bonus too
+        return self.base + len(drafts) + 1  # it fed dγ and the bonus too
 
     async def discard(self) -> None:
         await discard(self.future)

@@ -22,9 +22,8 @@ from specdec.types import DraftAhead, ModelDescription, Proposer, SamplingParams
 
 from coordinator.session_calls import SessionCalls
 from coordinator.policy.draft_ahead_trial import DraftAheadTrial
-from coordinator.sources.base import ProposalSource
+from coordinator.sources.base import ProposalSource, with_lookup_branches
 from coordinator.sources.draft_ahead import AheadCall, ahead_steps, take_predrafted
-from coordinator.sources.prompt_lookup import with_lookup_branches
 from coordinator.rounds import Drafts, RequestRun, Round, RoundResult
 from coordinator.sessions.routing import Routes
 from coordinator.tasks import discard
@@ -90,13 +89,13 @@ class DraftModel(ProposalSource):
         rnd.run.stats.draft_ahead_calls += call is not None
         return call
 
-    def observe(self, rnd: Round, drafts: Drafts, verdict: Verdict) -> None:
-        """The draft fed d1..dγ-1: those the target accepted are committed."""
-        if drafts.source == Proposer.DRAFT and drafts.proposal.parents:
-            rnd.run.record.hold(Tier.DRAFT, rnd.base)  # a tree's draft keeps the history only
-        elif drafts.source == Proposer.DRAFT:
-            k = len(drafts.proposal.draft_tokens)
-            rnd.run.record.hold(Tier.DRAFT, rnd.base + min(verdict.num_accepted, k - 1))
+    def observe(self, rnd: Round, drafts: Drafts, verdict: Verdict) -> int | None:
+        """The draft fed d1..dγ-1: it holds those the target accepted."""
+        if drafts.source != Proposer.DRAFT:
+            return None
+        if drafts.proposal.parents:
+            return rnd.base  # a tree's draft keeps the history only
+        return rnd.base + min(verdict.num_accepted, len(drafts.proposal.draft_tokens) - 1)
 
     def committed(self, session_id: str, result: RoundResult) -> None:
         if result.ahead is not None:
@@ -160,7 +159,7 @@ class DraftModel(ProposalSource):
             return True
         except DRAFT_FAILURES as exc:
             self.routes.failed(Tier.DRAFT, run.record.draft.address)  # its sessions move
-            log.warning("draft failed (%s); target-only round", exc)
+            log.warning("draft failed (%s) catching up on the history; the round goes on without it", exc)
             return False
 
 
@@ -168,11 +167,10 @@ class _Prefetch:
     """The draft catching up on the history while a round it did not propose is verified."""
 
     def __init__(self, rnd: Round, future: asyncio.Future):
-        self.run, self.base, self.future = rnd.run, rnd.base, future
+        self.base, self.future = rnd.base, future
 
-    async def settle(self, verdict: Verdict) -> None:
-        if await self.future:
-            self.run.record.hold(Tier.DRAFT, self.base)
+    async def settle(self, verdict: Verdict) -> int | None:
+        return self.base if await self.future else None  # the draft now holds the history
 
     async def discard(self) -> None:
         await discard(self.future)
