@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.policy.session_policy import CostModel  # noqa: E402
+from coordinator.policy.estimates import CostModel  # noqa: E402
 from coordinator.policy.speculation import FixedCosts, Speculation  # noqa: E402
 from specdec.types import Proposer  # noqa: E402
 

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from coordinator.policy.session_policy import leviathan_speedup
+from coordinator.policy.estimates import leviathan_speedup
 
 TARGET_ONLY = "specdec target-only"
 AUTO = "specdec auto"

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy.session_policy import (
-    AcceptanceEstimate, CostModel, LinearFit, PolicyConfig, SessionPolicy, best_gamma,
-    expected_tokens, leviathan_speedup,
+from coordinator.policy.estimates import (
+    AcceptanceEstimate, CostModel, LinearFit, best_gamma, expected_tokens, leviathan_speedup,
 )
+from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.policy.session_policy import (
-    CostModel, PolicyConfig, SessionPolicy, expected_tokens, tree_budgets, tree_expected_tokens,
-)
+from coordinator.policy.estimates import CostModel, expected_tokens, tree_budgets, tree_expected_tokens
+from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
 from coordinator.policy.speculation import FixedCosts, Speculation, auto_tree_budget
 from specdec.tree import TokenTree
 from specdec.types import Proposer, Trees

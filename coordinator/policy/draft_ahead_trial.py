@@ -1,6 +1,6 @@
 """Whether drafting ahead pays (--draft-ahead auto): measured, not guessed.
 
-A call made ahead (proposers/draft_ahead.py) lets the draft work while the target verifies.
+A call made ahead (sources/draft_ahead.py) lets the draft work while the target verifies.
 Where the two run on separate hardware (the chart's draft and target pools, two GPUs, a core
 each) that work is free, and a round whose drafts were made ahead makes no draft call. Where
 they share the same cores, the draft's forward slows the target's and drafting ahead loses

@@ -1,6 +1,6 @@
 """Speculation under load: measure whether it still pays for the coordinator as a whole.
 
-A session's policy (policy.py) prices its own rounds. Under load that view is partial: the
+A session's policy (session_policy.py) prices its own rounds. Under load that view is partial: the
 target batches many sessions, so one session's γ barely moves its own verify time, and where
 the draft and the target share hardware (a CPU box) every draft step takes compute the batch
 could have used. Speculation can then lose aggregate throughput while each session still sees

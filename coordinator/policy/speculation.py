@@ -17,7 +17,7 @@ unsure of (draft_service/proposer.py), so γ is a ceiling the draft fills only w
 verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
 A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
 an adaptive request whose draft and target handle trees, the policy's choice of a tree over a
-chain (`auto_tree_budget`, policy.py); a tree round feeds back its spine and its alternatives.
+chain (`auto_tree_budget`, session_policy.py); a tree round feeds back its spine and its alternatives.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Callable
 from specdec.tree import TokenTree, tree_outcome
 from specdec.types import Proposer, Trees
 
-from coordinator.policy.session_policy import SOURCES, AcceptanceEstimate, CostModel, PolicyConfig, ProbeClock, SessionPolicy
+from coordinator.policy.estimates import SOURCES, AcceptanceEstimate, CostModel
+from coordinator.policy.session_policy import PolicyConfig, ProbeClock, SessionPolicy
 
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
 PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
@@ -119,7 +120,7 @@ class RequestSpeculation:
         # prompt lookup's α per match length over all sessions (fed here, read by new sessions)
         self.order_priors = order_priors if order_priors is not None else {}
         self._order = 0  # the match length of the planned prompt-lookup round
-        self.load = 1  # generations sharing the target (set by the engine before each plan)
+        self.load = 1  # generations sharing the target (set by the round loop before each plan)
         self.tree_nodes = tree_nodes if tree_nodes > 1 else 0  # every draft round a tree of this many nodes
         self.max_tree_nodes = 0 if self.tree_nodes else max_tree_nodes  # or the policy's, up to this many
 
@@ -137,7 +138,7 @@ class RequestSpeculation:
         """The next round's source and γ (at most `cap`: tokens left, context room, limits), given
         what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used).
         allowed=False: the coordinator measured that speculation does not pay under the current
-        load (governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
+        load (load_governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
         if not allowed and self.governed:
             return Plan(Proposer.NONE, 0, [], "load")
         t0 = time.perf_counter()
