@@ -10,7 +10,7 @@ Usage:
 Builds a tiny random pair (specdec.tiny) and runs the draft, target and coordinator servers as
 separate processes on loopback (real gRPC; the in-process session store unless --store names a
 Redis), as in production. --overlap off runs the coordinator with the session-store write of a
-round awaited before the next round starts (the engine's `overlap_store` off), to measure what
+round awaited before the next round starts (the round loop's `overlap_store` off), to measure what
 the overlap saves; on,off runs both, one coordinator process after the other. --transport
 picks how the coordinator sends Propose and Verify (its --rpc-transport): on one long-lived call
 stream per service, or as unary calls; stream,unary (the default) runs both the same way.
@@ -26,7 +26,7 @@ batch scheduler, the hops to the model thread and back; timed around the service
 `verify`, which unary and streamed calls share); `grpc` = the coordinator's calls beyond that
 (transport, (de)serialisation, interceptors, a streamed call's dispatch, both event loops);
 `store` = the coordinator's session-store writes; `rest` = what no call or write covers (the
-engine's own Python, streaming the chunk to the client). Two bare unary gRPC calls
+round loop's own Python, streaming the chunk to the client). Two bare unary gRPC calls
 (GetModelInfo on draft and target) are timed as the floor. A second table gives each process's
 CPU time per round (coordinator, client, draft, target; read from /proc at each stream's ends),
 which says where the time goes when the processes share a few cores: there a round's wall time
@@ -190,7 +190,7 @@ async def serve_coordinator(args) -> int:
     running = await coordinator_server.start(CoordinatorConfig(
         draft=args.draft, target=args.target, port=args.port, session_store=args.store,
         rpc_transport=args.transport, draft_ahead=args.draft_ahead, tiers_share_cores=args.tiers_share_cores))
-    store = running.engine.store
+    store = running.round_loop.store
     store.save = saves.wrap_async(store.save)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     Path(args.spans).write_text(json.dumps({"calls": calls.spans, "saves": saves.spans}))

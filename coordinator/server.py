@@ -144,7 +144,7 @@ class HttpApiServer:
         self.port = port  # the bound port (what -1 picked)
 
     @classmethod
-    async def start(cls, engine: RoundLoop, config: CoordinatorConfig, api_key: str | None) -> "HttpApiServer":
+    async def start(cls, round_loop: RoundLoop, config: CoordinatorConfig, api_key: str | None) -> "HttpApiServer":
         if not -1 <= config.http_port <= 65535:
             raise StartupError(f"--http-port must be a port number, 0 (off) or -1 (any free port), "
                                f"got {config.http_port}")
@@ -153,7 +153,7 @@ class HttpApiServer:
         tls = bool(config.tls_cert_file and config.tls_key_file)  # as the gRPC port (Security checked it)
         mutual = tls and bool(config.tls_client_ca_file)
         settings = uvicorn.Config(
-            create_app(engine, api_key, config.http_max_body_bytes), lifespan="off", log_level="warning",
+            create_app(round_loop, api_key, config.http_max_body_bytes), lifespan="off", log_level="warning",
             access_log=False, ssl_certfile=config.tls_cert_file if tls else None,
             ssl_keyfile=config.tls_key_file if tls else None,
             ssl_ca_certs=config.tls_client_ca_file if mutual else None,
@@ -186,7 +186,7 @@ class HttpApiServer:
 class RunningCoordinator:
     server: grpc.aio.Server
     port: int
-    engine: RoundLoop
+    round_loop: RoundLoop
     metrics_server: MetricsServer | None = None
     http: HttpApiServer | None = None  # the OpenAI-compatible API (--http-port), None when off
 
@@ -201,8 +201,8 @@ class RunningCoordinator:
         await self.server.stop(grace)
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        await self.engine.store.close()
-        await self.engine.routes.close()
+        await self.round_loop.store.close()
+        await self.round_loop.routes.close()
 
 
 def open_routes(config: CoordinatorConfig, upstream: grpc.ChannelCredentials | None) -> Routes:
@@ -277,12 +277,12 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         log.warning("%s", exc)
     metrics = Metrics("coordinator")
     try:
-        engine = RoundLoop(config, store, routes, tokenizer, draft_info, target_info, metrics)
+        round_loop = RoundLoop(config, store, routes, tokenizer, draft_info, target_info, metrics)
         metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
     except (ValueError, OSError) as exc:
         await asyncio.gather(store.close(), routes.close())
         raise StartupError(str(exc)) from exc
-    servicer = CoordinatorServicer(engine)
+    servicer = CoordinatorServicer(round_loop)
     if security.api_key and not security.server:
         log.warning("--api-key-file without --tls-cert-file: clients send the API key in clear text")
     try:
@@ -298,7 +298,7 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
     http = None
     if config.http_port:
         try:
-            http = await HttpApiServer.start(engine, config, security.api_key)
+            http = await HttpApiServer.start(round_loop, config, security.api_key)
         except BaseException:
             await server.stop(None)
             if metrics_server is not None:
@@ -308,6 +308,6 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         log.info("OpenAI-compatible HTTP API on %s:%d", config.host, http.port)
     log.info("coordinator on %s:%d (%s; %s; %s%s)", config.host, port, routes.discovery.describe(),
              routes.describe(), security.describe(),
-             "" if engine.draft_model.beside_verification else "; the tiers share CPU cores: the draft "
+             "" if round_loop.draft_model.beside_verification else "; the tiers share CPU cores: the draft "
              "never works beside a verification")
-    return RunningCoordinator(server, port, engine, metrics_server, http)
+    return RunningCoordinator(server, port, round_loop, metrics_server, http)

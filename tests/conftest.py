@@ -61,7 +61,7 @@ def base_url(cluster):
 @pytest.fixture(scope="module")
 def model_id(cluster):
     """The model id the module's `cluster` serves."""
-    return cluster.coordinator.engine.target_info.model_id
+    return cluster.coordinator.round_loop.target_info.model_id
 
 
 @pytest.fixture(scope="module")

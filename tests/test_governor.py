@@ -207,7 +207,7 @@ def test_while_plain_decoding_holds_the_draft_gets_no_call_at_all(models):
     paths = models["llama"]
     prompt = [3, 7, 5, 2, 8, 9, 4, 6, 1]
     with Cluster(paths["draft"], paths["target"], interceptors=[recorder]) as cluster:
-        governor = cluster.coordinator.engine.governor
+        governor = cluster.coordinator.round_loop.governor
         governor.min_load = 1  # govern this single stream: plain decoding holds at every load
         governor.verdicts[0] = (PLAIN, time.monotonic(), 0.0, governor.hold_s)
         held = cluster.complete(token_ids=prompt, max_new_tokens=12, ignore_eos=True)

@@ -295,7 +295,7 @@ def test_a_llama_cpp_target_verifies_the_torch_drafts_trees(models, gguf_pair, l
     """Token trees from a torch draft, verified in one llama.cpp decode: greedy output equals the
     llama.cpp target's own, several tree shapes at once. A llama.cpp draft grows chains only."""
     with Cluster(models["llama"]["draft"], gguf_pair["target"], dtype="float32", target=LLAMA) as mixed:
-        assert mixed.coordinator.engine.target_info.verifies_trees
+        assert mixed.coordinator.round_loop.target_info.verifies_trees
         expected = {prompt: list(llama_pair_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=NONE,
                                                              ignore_eos=True).token_ids) for prompt in PROMPTS[:2]}
         shapes = [(2, 4), (4, 8), (3, 3)]
@@ -308,7 +308,7 @@ def test_a_llama_cpp_target_verifies_the_torch_drafts_trees(models, gguf_pair, l
             response = future.result()
             assert list(response.token_ids) == expected[prompt], (prompt, shape)
             assert response.stats.tree_rounds > 0
-    assert not llama_pair_cluster.coordinator.engine.draft_info.verifies_trees  # grows no trees
+    assert not llama_pair_cluster.coordinator.round_loop.draft_info.verifies_trees  # grows no trees
 
 
 @pytest.mark.e2e

@@ -59,7 +59,7 @@ def test_logprobs_are_the_target_models_before_the_warp(cluster, models, sampled
     tokens = list(response.token_ids)
     assert len(response.logprobs) == len(tokens) == 16
     assert [entry.token_id for entry in response.logprobs] == tokens
-    prompt_ids = list(cluster.coordinator.engine.tokenizer(PROMPT)["input_ids"])
+    prompt_ids = list(cluster.coordinator.round_loop.tokenizer(PROMPT)["input_ids"])
     expected = reference_logprobs(models["llama"]["target"], prompt_ids, tokens)  # [16, vocab]
     for position, entry in enumerate(response.logprobs):
         row = expected[position]

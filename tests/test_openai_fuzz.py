@@ -413,7 +413,7 @@ def test_fuzz_openai_bodies(cluster, base_url, model_id):
 
     # the servers are up and serve as before, with nothing left running
     deadline = time.monotonic() + 10
-    while cluster.coordinator.engine.active:
+    while cluster.coordinator.round_loop.active:
         assert time.monotonic() < deadline, "a fuzzed request is still counted as generating"
         time.sleep(0.05)
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200

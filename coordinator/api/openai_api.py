@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API of the coordinator: JSON in, engine call, OpenAI's shapes out.
+"""The OpenAI-compatible HTTP API of the coordinator: JSON in, round-loop call, OpenAI's shapes out.
 
 /v1/completions and /v1/chat/completions call RoundLoop.generate as the gRPC servicer does, so
 a request generates exactly what the same gRPC request would. Errors, domain or HTTP, become
@@ -86,7 +86,7 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 class EventStream(StreamingResponse):
     """A text/event-stream response driven by plain asyncio tasks. A client that goes away
-    cancels the events' generator once, as gRPC cancels a call, so the engine's cleanup (the
+    cancels the events' generator once, as gRPC cancels a call, so the round loop's cleanup (the
     session's lease and caches released) runs to its end; StreamingResponse on an ASGI 2.3
     server (uvicorn) cancels through an anyio cancel scope, which cancels every await of that
     cleanup again and leaves the session busy."""
@@ -127,7 +127,7 @@ class Completions:
         return None if self.name is None else completion_logprobs(entries, self.name, offset)
 
     def carries(self, text: str, finish: str | None, entries: list[TokenLogprobs]) -> bool:
-        """Whether an engine chunk makes a chunk of the stream (tokens whose text is held back
+        """Whether a round-loop chunk makes a chunk of the stream (tokens whose text is held back
         still have log-probabilities to send)."""
         return bool(text) or finish is not None or (self.name is not None and bool(entries))
 
@@ -136,7 +136,7 @@ class Completions:
 
     def deltas(self, text: str, finish: str | None, first: bool,
                entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
-        """The choices of the chunks for one engine chunk (none when it carries nothing)."""
+        """The choices of the chunks for one round-loop chunk (none when it carries nothing)."""
         if not self.carries(text, finish, entries):
             return []
         out = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": self.logprobs(entries, self.sent)}]
@@ -166,16 +166,16 @@ class ChatCompletions(Completions):
 
 
 class OpenAIApi:
-    """The handlers: each reads its body, builds a GenerationRequest, and shapes what the engine
+    """The handlers: each reads its body, builds a GenerationRequest, and shapes what the round loop
     yields as OpenAI does."""
 
-    def __init__(self, engine: RoundLoop, api_key: str | None, max_body_bytes: int):
-        self.engine = engine
-        self.model_id = engine.target_info.model_id
+    def __init__(self, round_loop: RoundLoop, api_key: str | None, max_body_bytes: int):
+        self.round_loop = round_loop
+        self.model_id = round_loop.target_info.model_id
         self.api_key = api_key.encode("ascii") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = now()
-        self.token_text = TokenText(engine.tokenizer)
+        self.token_text = TokenText(round_loop.tokenizer)
 
     # ---- the request ---------------------------------------------------------------------------
 
@@ -249,7 +249,7 @@ class OpenAIApi:
 
     @staticmethod
     def prompt_input(prompt: Any) -> dict[str, Any]:
-        """A completion's prompt as the engine's input: text or token ids, one prompt only."""
+        """A completion's prompt as the round loop's input: text or token ids, one prompt only."""
         if isinstance(prompt, str):
             return {"prompt": prompt}
         if prompt and not isinstance(prompt[0], int):  # a batch of prompts
@@ -282,7 +282,7 @@ class OpenAIApi:
                   include_usage: bool) -> Response:
         """The generation as one response or as events. Until the response begins, a client that
         goes away cancels the generation (its committed tokens stay), as a cancelled gRPC call does."""
-        chunks = self.engine.generate(request)
+        chunks = self.round_loop.generate(request)
         if stream:
             try:  # a refused request fails here, before any byte is sent
                 first = await until_disconnected(http, anext(chunks))
@@ -297,7 +297,7 @@ class OpenAIApi:
         return Response(status_code=CLIENT_CLOSED) if whole is None else whole
 
     async def whole(self, chunks: AsyncIterator[Chunk], shape: Completions) -> JSONResponse:
-        """The non-streamed response: every chunk, to the end (the engine finishes the request
+        """The non-streamed response: every chunk, to the end (the round loop finishes the request
         after its last chunk)."""
         text, entries, last = "", [], None
         try:
@@ -307,7 +307,7 @@ class OpenAIApi:
                 last = chunk
         finally:
             await chunks.aclose()
-        assert last is not None  # the engine's last chunk carries the finish reason
+        assert last is not None  # the round loop's last chunk carries the finish reason
         stats = last.stats or GenerationStats()
         return JSONResponse({
             "id": new_id(shape.id_prefix), "object": shape.object, "created": now(), "model": self.model_id,
@@ -317,7 +317,7 @@ class OpenAIApi:
     async def events(self, chunks: AsyncIterator[Chunk], first: Chunk, shape: Completions,
                      include_usage: bool) -> AsyncIterator[str]:
         """The SSE stream. A client that goes away cancels this generator (EventStream), and the
-        engine's generator with it: the generation stops and its committed tokens stay."""
+        round_loop's generator with it: the generation stops and its committed tokens stay."""
         head = {"id": new_id(shape.id_prefix), "object": shape.object + ("" if shape.object.startswith("text")
                                                                           else ".chunk"),
                 "created": now(), "model": self.model_id}
@@ -350,7 +350,7 @@ class OpenAIApi:
         self.authorize(request)
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
                                             "owned_by": "specdec",
-                                            "max_model_len": self.engine.context_length}]}
+                                            "max_model_len": self.round_loop.context_length}]}
 
     async def completions(self, request: Request) -> Response:
         self.authorize(request)
@@ -403,9 +403,9 @@ def _include_usage(body: SpecdecFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def create_app(engine: RoundLoop, api_key: str | None, max_body_bytes: int) -> FastAPI:
-    """The FastAPI app of the OpenAI-compatible API over `engine`."""
-    api = OpenAIApi(engine, api_key, max_body_bytes)
+def create_app(round_loop: RoundLoop, api_key: str | None, max_body_bytes: int) -> FastAPI:
+    """The FastAPI app of the OpenAI-compatible API over `round_loop`."""
+    api = OpenAIApi(round_loop, api_key, max_body_bytes)
     app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     routes: list[tuple[str, Callable, str]] = [
         ("/health", api.health, "GET"), ("/v1/models", api.models, "GET"),

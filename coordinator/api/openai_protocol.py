@@ -22,7 +22,7 @@ from coordinator.stats import GenerationStats
 
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: OpenAI's limit (chat's top_logprobs: 20)
 
-# the engine's finish reasons as OpenAI names them: the end of the text, or a length limit
+# the round loop's finish reasons as OpenAI names them: the end of the text, or a length limit
 FINISH_REASONS = {
     FinishReason.EOS: "stop",
     FinishReason.STOP: "stop",

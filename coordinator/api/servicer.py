@@ -1,4 +1,4 @@
-"""gRPC servicer of the coordinator: protobuf in, engine call, protobuf out."""
+"""gRPC servicer of the coordinator: protobuf in, round-loop call, protobuf out."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ PROPOSER_FROM_PB = {
 
 
 def proposer_from_pb(value: int) -> Proposer | str | None:
-    """The proposer's name; an unknown enum number stays visible for the engine to refuse."""
+    """The proposer's name; an unknown enum number stays visible for the round loop to refuse."""
     return PROPOSER_FROM_PB.get(value, f"unknown enum value {value}")
 
 
@@ -61,12 +61,12 @@ def stats_to_pb(stats: GenerationStats) -> common_pb2.GenerationStats:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, engine: RoundLoop):
-        self.engine = engine
+    def __init__(self, round_loop: RoundLoop):
+        self.round_loop = round_loop
 
     @map_errors
     async def Generate(self, request, context):
-        async for chunk in self.engine.generate(request_from_pb(request)):
+        async for chunk in self.round_loop.generate(request_from_pb(request)):
             yield coordinator_pb2.GenerateResponse(
                 session_id=chunk.session_id, text=chunk.text, token_ids=chunk.token_ids,
                 finish_reason=FINISH_TO_PB[chunk.finish_reason],
@@ -77,7 +77,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @map_errors
     async def Complete(self, request, context):
         response = coordinator_pb2.CompleteResponse()
-        async for chunk in self.engine.generate(request_from_pb(request.request)):
+        async for chunk in self.round_loop.generate(request_from_pb(request.request)):
             response.session_id = chunk.session_id
             response.text += chunk.text
             response.token_ids.extend(chunk.token_ids)
@@ -89,7 +89,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     async def GetSession(self, request, context):
-        record = await self.engine.get_session(request.session_id)
+        record = await self.round_loop.get_session(request.session_id)
         return coordinator_pb2.GetSessionResponse(
             session_id=record.session_id, token_ids=record.token_ids, requests=record.requests,
             stats=stats_to_pb(GenerationStats.from_dict(record.stats)),
@@ -98,5 +98,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     async def DeleteSession(self, request, context):
-        deleted = await self.engine.delete_session(request.session_id)
+        deleted = await self.round_loop.delete_session(request.session_id)
         return coordinator_pb2.DeleteSessionResponse(deleted=deleted)

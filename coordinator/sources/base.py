@@ -1,7 +1,7 @@
 """The proposal-source interface: propose a round's tokens, then observe what the target did.
 
 The shape of transformers' candidate generators (propose, then observe) and vLLM's proposers.
-The engine plans each round (speculation.py picks the source and γ), asks the planned source to
+The round loop plans each round (speculation.py picks the source and γ), asks the planned source to
 `propose`, runs every source's work `alongside` the verification (a source may have some on
 rounds it did not propose: the draft model catches up on a prompt meanwhile), lets the planned
 source `observe` the verdict, and tells every source when the round is committed and when the
