@@ -77,7 +77,8 @@ def pick_models(args) -> tuple[str, str, str]:
 def forward_costs(target: str, dtype: str, history: int, repeats: int) -> list[dict]:
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import load_model
-    from specdec.runtime.runner import ModelRunner, Row
+    from specdec.runtime.runner import ModelRunner
+    from specdec.runtime.session_runner import Row
 
     runner = ModelRunner(load_model(target, dtype), SessionCaches(1024, 1 << 40), 16)
     rng = random.Random(0)

@@ -124,18 +124,6 @@ def chunk_keys(model: bytes, tokens: Sequence[int], chunk_tokens: int, salt: str
     return keys
 
 
-def chunk_spans(length: int, chunk_tokens: int, start: int = 0) -> list[tuple[int, int]]:
-    """The (begin, end) token ranges of the full chunks within [0, length) that begin at or
-    after `start`; chunks are aligned to multiples of chunk_tokens. With start = the number of
-    tokens already stored, these are the chunks a writer has newly completed."""
-    _check_chunk_tokens(chunk_tokens)
-    if start < 0:
-        raise ValueError(f"start must be >= 0, got {start}")
-    first = -(-start // chunk_tokens) * chunk_tokens
-    last = (length // chunk_tokens) * chunk_tokens
-    return [(a, a + chunk_tokens) for a in range(first, last, chunk_tokens)]
-
-
 @dataclass(frozen=True)
 class ChunkLayout:
     """What a stored chunk of a given model must look like."""

@@ -100,14 +100,6 @@ def proposal_top_k(logits: torch.Tensor, params: SamplingParams, k: int) -> tupl
     return ids, probs / probs.sum(dim=-1, keepdim=True)
 
 
-def densify(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Sparse rows back to dense. ids/probs [n, k] -> [n, vocab]; ids >= vocab are dropped."""
-    dense = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.float32, device=probs.device)
-    ids = ids.clamp(max=vocab).masked_fill(ids < 0, vocab)  # out-of-range ids land in a spill column
-    dense.scatter_add_(1, ids, probs.float())
-    return dense[:, :vocab]
-
-
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token id from probs [vocab] with the request's generator."""
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -106,7 +106,8 @@ class Coordinator:
     def replicas(self, tier: str) -> dict[str, str]:
         """address -> state (probing, ready, failed, refused) of the tier's replica pool."""
         async def states():
-            return self.round_loop.routes.pools[tier].states()
+            pool = self.round_loop.routes.pools[tier]
+            return {address: replica.state for address, replica in sorted(pool._replicas.items())}
         return self.loop.run(states())
 
     def describe_replicas(self, tier: str) -> str:

@@ -12,7 +12,7 @@ from specdec.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.rng import RequestRng
 from specdec.runtime.generators import make_generator
-from specdec.sampling import densify, proposal_top_k, target_probs, truncate_top_k, warp_logits
+from specdec.sampling import proposal_top_k, target_probs, truncate_top_k, warp_logits
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -58,6 +58,14 @@ def test_temperature_applies_before_top_p(temperature, top_p, kept):
     assert (probs > 0).nonzero().flatten().tolist() == kept
     expected = torch.softmax(logits[0, kept] / temperature, dim=0)
     assert torch.allclose(probs[kept], expected)
+
+
+def densify(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Sparse rows back to dense (how a test compares a truncated q with p). ids/probs [n, k] -> [n, vocab]; ids >= vocab are dropped."""
+    dense = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.float32, device=probs.device)
+    ids = ids.clamp(max=vocab).masked_fill(ids < 0, vocab)  # out-of-range ids land in a spill column
+    dense.scatter_add_(1, ids, probs.float())
+    return dense[:, :vocab]
 
 
 def test_truncate_top_k_and_densify_round_trip():

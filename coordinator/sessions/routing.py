@@ -118,9 +118,6 @@ class ReplicaPool:
     def ready(self) -> list[str]:
         return sorted(a for a, r in self._replicas.items() if r.state == READY)
 
-    def states(self) -> dict[str, str]:
-        return {address: replica.state for address, replica in sorted(self._replicas.items())}
-
     def pick(self, key: str) -> ServiceClient | None:
         """key's replica among the usable ones (None when there is none)."""
         ready = self.ready()
