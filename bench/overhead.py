@@ -7,7 +7,7 @@ Usage:
                            [--pair random|near] [--link-delay-ms 0,0.2,0.5,1,2]
                            [--link-jitter-ms J] [--link-repeats 4]
 
-Builds a tiny random pair (specdec.tiny) and runs the draft, target and coordinator servers as
+Builds a tiny random pair (specdec_cli.tiny) and runs the draft, target and coordinator servers as
 separate processes on loopback (real gRPC; the in-process session store unless --store names a
 Redis), as in production. --overlap off runs the coordinator with the session-store write of a
 round awaited before the next round starts (the round loop's `overlap_store` off), to measure what
@@ -82,7 +82,7 @@ sys.path.insert(0, str(ROOT))
 from draft_service import server as draft_server  # noqa: E402
 from bench import transport_floor  # noqa: E402
 from bench.processes import cpu_columns, cpu_of, cpu_spent, free_port  # noqa: E402
-from specdec import tiny  # noqa: E402
+from specdec_cli import tiny  # noqa: E402
 from specdec.config import DraftConfig, TargetConfig  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import (  # noqa: E402

@@ -22,7 +22,7 @@ from specdec.fingerprint import PrefixHashes
 from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs, Trees
 
 from coordinator.session_calls import SessionCalls

@@ -8,7 +8,7 @@ from enum import StrEnum
 
 from specdec.fingerprint import PrefixHashes
 from specdec.rng import RequestRng
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, TokenLogprobs, Verdict
 
 from coordinator.policy.speculation import Plan, RequestSpeculation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from specdec.tree import TokenTree, tree_outcome
+from specdec.maths.tree import TokenTree, tree_outcome
 from specdec.types import Proposer
 
 from coordinator.sessions.model_tiers import Tier

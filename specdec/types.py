@@ -158,7 +158,7 @@ def check_top_logprobs(top: int | None) -> None:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """The target's log-probabilities at one emitted token's position (specdec/logprobs.py)."""
+    """The target's log-probabilities at one emitted token's position (specdec/maths/logprobs.py)."""
 
     token_id: int                            # the emitted token
     logprob: float                           # its log-probability

@@ -58,7 +58,7 @@ def models_of(args: argparse.Namespace) -> tuple[str, str]:
     """(draft, target): the flags', else the fetched default pair's: its GGUF files where the
     backend is llama.cpp (or auto with llama-cpp-python installed and the files fetched), else
     its directories."""
-    from specdec.models import PAIR, FetchError, default_gguf_pair, default_pair, gguf_verified
+    from specdec_cli.model_pair import PAIR, FetchError, default_gguf_pair, default_pair, gguf_verified
     from specdec.runtime.engines import llama_cpp_installed
 
     draft_model, target_model = args.draft_model, args.target_model

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from draft_service import server as draft_server
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.config import DraftConfig, TargetConfig
 from specdec.fingerprint import fingerprint
 from specdec.runtime.kv_cache import KVBuffer, SessionCaches, grown_capacity

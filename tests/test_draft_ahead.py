@@ -23,7 +23,7 @@ import torch
 from coordinator.policy.draft_ahead_trial import DraftAheadTrial
 from coordinator.policy.speculation import FixedCosts
 from specdec.runtime.loader import load_model
-from specdec.sampling import target_probs
+from specdec.maths.sampling import target_probs
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.cluster import Cluster

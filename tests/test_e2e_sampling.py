@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec.runtime.loader import load_model
-from specdec.sampling import target_probs
+from specdec.maths.sampling import target_probs
 from specdec.types import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster

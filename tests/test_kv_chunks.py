@@ -8,7 +8,7 @@ from array import array
 import pytest
 import torch
 
-from specdec.kv_chunks import (
+from specdec.kv.chunks import (
     HEADER_BYTES,
     LAYOUT_VERSION,
     ChunkError,

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.runtime.engines import resolve_backend
 from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
 from specdec.runtime.session_runner import Row
-from specdec.sampling import target_probs
+from specdec.maths.sampling import target_probs
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend, SamplingParams
 from tests.cluster import Cluster
@@ -124,7 +124,7 @@ def test_a_tree_forward_scores_each_node_as_its_path_alone(runner):
     """One decode of a tree beside a chain: each node's logits are those of its own path run
     alone (sequence sets mask it to the history and its ancestors); keep_path leaves the session
     holding exactly the history and the accepted path, and frees the spare sequences."""
-    from specdec.tree import TokenTree
+    from specdec.maths.tree import TokenTree
 
     history = _ids(runner, PROMPTS[0])
     nodes = (11, 12, 13, 14, 15, 16)

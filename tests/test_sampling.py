@@ -7,12 +7,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.acceptance import accept_greedy, accept_sampled
-from specdec.draft_q import DraftQ
+from specdec.maths.acceptance import accept_greedy, accept_sampled
+from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.rng import RequestRng
 from specdec.runtime.generators import make_generator
-from specdec.sampling import proposal_top_k, target_probs, truncate_top_k, warp_logits
+from specdec.maths.sampling import proposal_top_k, target_probs, truncate_top_k, warp_logits
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -300,7 +300,7 @@ def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def test_top_p_without_a_full_sort_keeps_the_same_tokens(scale, top_p):
     """Peaked rows keep a few tokens (found in the top 64); flat rows need most of the 5,000
     tokens, past the first k, so the ranking widens — the same set as a full sort either way."""
-    from specdec.sampling import _nucleus
+    from specdec.maths.sampling import _nucleus
 
     generator = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 1000))
     logits = torch.randn(6, 5000, generator=generator, dtype=torch.float64).float() * scale

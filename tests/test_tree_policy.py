@@ -8,7 +8,7 @@ import pytest
 from coordinator.policy.estimates import CostModel, expected_tokens, tree_budgets, tree_expected_tokens
 from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
 from coordinator.policy.speculation import FixedCosts, Speculation, auto_tree_budget
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from specdec.types import Proposer, Trees
 from tests.planning import plan_round
 

@@ -5,7 +5,7 @@ t_propose(γ), as exponentially weighted linear fits)."""
 
 from __future__ import annotations
 
-from specdec.tree import TREE_WIDTH
+from specdec.maths.tree import TREE_WIDTH
 from specdec.types import Proposer
 
 SOURCES = (Proposer.DRAFT, Proposer.PROMPT_LOOKUP)  # the sources that propose tokens

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specdec.tree import TokenTree, tree_outcome
+from specdec.maths.tree import TokenTree, tree_outcome
 from specdec.types import Proposer, Trees
 
 from coordinator.policy.estimates import SOURCES, AcceptanceEstimate, CostModel

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Protocol, Sequence
 
-from specdec.tree import TokenTree, graft
+from specdec.maths.tree import TokenTree, graft
 from specdec.types import Proposal, Proposer, SparseDist, Verdict
 
 from coordinator.rounds import Drafts, Round, RoundResult
@@ -74,7 +74,7 @@ def one_hot_dists(tokens: Sequence[int]) -> list[SparseDist]:
 def with_lookup_branches(proposal: Proposal, branches: Sequence[Sequence[int]],
                          max_nodes: int) -> tuple[Proposal, int]:
     """The draft's tree `proposal` with prompt lookup's `branches` grafted on in turn
-    (specdec.tree.graft: each follows the nodes it repeats and adds the rest after them, up to
+    (specdec.maths.tree.graft: each follows the nodes it repeats and adds the rest after them, up to
     `max_nodes` nodes in all), and how many nodes they added. An added node is deterministic
     given the history, as the draft's ranked children are, so its q is one-hot and the tree walk
     stays exact."""

@@ -75,8 +75,8 @@ def kv_tier_for(runner, config):
         log.warning("%s: no prefix cache or K/V store: its K/V is a DynamicCache per session, which is "
                     "not cut into chunks", runner.description.model_id)
         return None
-    from specdec.kv_chunks import ChunkLayout, model_fingerprint
-    from specdec.kv_store import ChunkWriter, open_chunk_store
+    from specdec.kv.chunks import ChunkLayout, model_fingerprint
+    from specdec.kv.store import ChunkWriter, open_chunk_store
     from specdec.runtime.kv_tier import KVTier, PrefixCache, weights_digest
 
     model_config = {k: v for k, v in runner.model.config.to_dict().items() if not k.startswith("_")

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.draft_q import DraftQ
-from specdec.sampling import sample
-from specdec.tree import TokenTree
+from specdec.maths.draft_q import DraftQ
+from specdec.maths.sampling import sample
+from specdec.maths.tree import TokenTree
 
 
 @dataclass(frozen=True)

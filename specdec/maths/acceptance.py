@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_q import DraftQ
+from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
-from specdec.sampling import sample
+from specdec.maths.sampling import sample
 from specdec.types import Verdict
 
 
