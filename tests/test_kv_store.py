@@ -13,9 +13,8 @@ import pytest
 import redis
 
 from specdec.errors import Unavailable
-from specdec.kv.store import (
-    ChunkStoreStats, ChunkWriter, MemoryChunkStore, RedisChunkStore, open_chunk_store,
-)
+from specdec.kv.store import ChunkStoreStats, MemoryChunkStore, RedisChunkStore, open_chunk_store
+from specdec.kv.writer import ChunkWriter
 from specdec.logtag import redacted_url
 from tests.redis_server import RedisServer
 

@@ -281,3 +281,9 @@ def test_only_session_calls_records_what_a_replica_holds():
                      and node.func.attr == "hold")
     assert set(writers) == {"coordinator.session_calls"}, f"record.hold(...) called in {writers}"
 
+
+
+def test_no_module_is_over_500_lines():
+    long = sorted(f"{path.relative_to(ROOT)}: {n} lines" for path in MODULES.values()
+                  if "v1" not in path.parts and (n := len(path.read_text().splitlines())) > 500)
+    assert not long, "modules over 500 lines:\n" + "\n".join(long)

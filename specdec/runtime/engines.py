@@ -76,7 +76,8 @@ def kv_tier_for(runner, config):
                     "not cut into chunks", runner.description.model_id)
         return None
     from specdec.kv.chunks import ChunkLayout, model_fingerprint
-    from specdec.kv.store import ChunkWriter, open_chunk_store
+    from specdec.kv.store import open_chunk_store
+    from specdec.kv.writer import ChunkWriter
     from specdec.runtime.kv_tier import KVTier, PrefixCache, weights_digest
 
     model_config = {k: v for k, v in runner.model.config.to_dict().items() if not k.startswith("_")
