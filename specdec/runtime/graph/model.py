@@ -10,6 +10,9 @@ What this module decides:
   RMS of RMSNorm is taken in float32 and the rotary angles are float32 (as transformers does),
   the inverse frequencies and their attention scaling are the HF model's own (default, linear,
   llama3 and yarn rope types; dynamic and longrope, which change with the length, are refused).
+- GQA without copying K/V: the query heads that share a K/V head are folded into the query
+  length ([R, kv_heads, group × Q, dim] against [R, kv_heads, K, dim]), so each gathered key is
+  read once per K/V head and any SDPA kernel that takes a mask applies (no enable_gqa needed).
 - Attention is torch's scaled_dot_product_attention over each row's K/V gathered through its
   block table, with a boolean mask [R, 1, Q, K] built on the device from the batch tensors.
   Why SDPA and not flex_attention: it runs eagerly on every device and dtype, float64 included
@@ -191,7 +194,8 @@ class GraphModel:
         R, Q = batch.tokens.shape
         B = batch.block_tables.shape[1]
         block_size = pools[0].shape[2]
-        mask = attention_mask(batch, B * block_size)  # [R, 1, Q, K]
+        group = arch.heads // arch.kv_heads
+        mask = attention_mask(batch, B * block_size).repeat(1, 1, group, 1)  # [R, 1, group·Q, K]
         cos, sin = rotary(batch.positions, self.inv_freq, self.rope_scaling, self.dtype)  # [R, Q, 1, dim]
         slots = batch.slots.reshape(-1)  # [R·Q]
         x = F.embedding(batch.tokens, self.embed)  # [R, Q, hidden]
@@ -224,11 +228,12 @@ class GraphModel:
         flat[1].index_copy_(0, slots, v.reshape(-1, arch.kv_heads, arch.head_dim))
         kv = pool[:, block_tables]  # [2, R, B, block_size, kv_heads, dim]
         kv = kv.flatten(2, 3).transpose(2, 3)  # [2, R, kv_heads, K, dim]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[0], kv[1], attn_mask=mask,
-                                             scale=arch.head_dim ** -0.5,
-                                             enable_gqa=arch.kv_heads != arch.heads)  # [R, heads, Q, dim]
-        out = out.transpose(1, 2).reshape(R, Q, arch.heads * arch.head_dim)
-        return F.linear(out, w.o, w.o_bias)
+        group = arch.heads // arch.kv_heads  # query heads per K/V head (head h reads K/V head h // group)
+        q = q.view(R, Q, arch.kv_heads, group, arch.head_dim).permute(0, 2, 3, 1, 4)  # [R, kv_heads, group, Q, dim]
+        out = F.scaled_dot_product_attention(q.reshape(R, arch.kv_heads, group * Q, arch.head_dim), kv[0], kv[1],
+                                             attn_mask=mask, scale=arch.head_dim ** -0.5)  # [R, kv_heads, group·Q, dim]
+        out = out.view(R, arch.kv_heads, group, Q, arch.head_dim).permute(0, 3, 1, 2, 4)  # [R, Q, kv_heads, group, dim]
+        return F.linear(out.reshape(R, Q, arch.heads * arch.head_dim), w.o, w.o_bias)
 
     def mlp(self, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """h [R, Q, hidden] -> [R, Q, hidden]."""
