@@ -218,10 +218,9 @@ class GraphModel:
         arch = self.arch
         R, Q, _ = h.shape
         qkv = F.linear(h, w.qkv, w.qkv_bias)  # [R, Q, (heads + 2 kv_heads) · dim]
-        q, k, v = qkv.split([arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim,
-                             arch.kv_heads * arch.head_dim], dim=-1)
-        q = rotate(q.view(R, Q, arch.heads, arch.head_dim), cos, sin)  # [R, Q, heads, dim]
-        k = rotate(k.view(R, Q, arch.kv_heads, arch.head_dim), cos, sin)  # [R, Q, kv_heads, dim]
+        qk, v = qkv.split([(arch.heads + arch.kv_heads) * arch.head_dim, arch.kv_heads * arch.head_dim], dim=-1)
+        qk = rotate(qk.view(R, Q, arch.heads + arch.kv_heads, arch.head_dim), cos, sin)  # queries and keys at once
+        q, k = qk.split([arch.heads, arch.kv_heads], dim=2)  # [R, Q, heads, dim], [R, Q, kv_heads, dim]
         v = v.view(R, Q, arch.kv_heads, arch.head_dim)
         flat = pool.view(2, -1, arch.kv_heads, arch.head_dim)  # [2, slots, kv_heads, dim]
         flat[0].index_copy_(0, slots, k.reshape(-1, arch.kv_heads, arch.head_dim))
@@ -229,7 +228,7 @@ class GraphModel:
         kv = pool[:, block_tables]  # [2, R, B, block_size, kv_heads, dim]
         kv = kv.flatten(2, 3).transpose(2, 3)  # [2, R, kv_heads, K, dim]
         group = arch.heads // arch.kv_heads  # query heads per K/V head (head h reads K/V head h // group)
-        q = q.view(R, Q, arch.kv_heads, group, arch.head_dim).permute(0, 2, 3, 1, 4)  # [R, kv_heads, group, Q, dim]
+        q = q.reshape(R, Q, arch.kv_heads, group, arch.head_dim).permute(0, 2, 3, 1, 4)  # [R, kv_heads, group, Q, dim]
         out = F.scaled_dot_product_attention(q.reshape(R, arch.kv_heads, group * Q, arch.head_dim), kv[0], kv[1],
                                              attn_mask=mask, scale=arch.head_dim ** -0.5)  # [R, kv_heads, group·Q, dim]
         out = out.view(R, arch.kv_heads, group, Q, arch.head_dim).permute(0, 3, 1, 2, 4)  # [R, Q, kv_heads, group, dim]
