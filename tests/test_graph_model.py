@@ -181,3 +181,18 @@ def test_a_sliding_window_caps_the_context():
     with pytest.raises(InvalidArgument, match="would hold 257 tokens, past the model's context of 256"):
         run(runner, "s", sequence(7, seed=11))
     assert runner.kv.length("s") == 250
+
+
+def test_sessions_decoded_together_each_equal_hf_generate(model):
+    """Three sessions of different prompt lengths decoded in one batch per step (padded to a
+    bucket of 4 rows), each token for token what HF's greedy generate gives it alone."""
+    runner = runner_for(model, buckets=Buckets(rows=(4,), tokens=(1,), blocks=(8,), window=1))
+    prompts = [sequence(n, seed=20 + n) for n in (2, 9, 15)]
+    wants = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+             for p in prompts]
+    outs = [[int(run(runner, f"s{i}", p, keep=1)[-1].argmax())] for i, p in enumerate(prompts)]
+    for _ in range(11):
+        logits = runner.forward([RowInput(f"s{i}", out[-1:]) for i, out in enumerate(outs)])
+        for out, row in zip(outs, logits):
+            out.append(int(row[-1].argmax()))
+    assert outs == wants
