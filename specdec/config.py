@@ -50,9 +50,12 @@ class ModelServiceConfig(ServerTlsConfig):
     model: str = opt("", "model directory, hub id or .gguf file (required)")
     backend: str = opt("auto", "engine: llama.cpp (a .gguf file, served quantised as it is, through "
                        "llama-cpp-python), torch (transformers: a directory, a hub id, or a .gguf file "
-                       "dequantised to --dtype), or auto (llama.cpp for a .gguf file when llama-cpp-python "
-                       "is installed, else torch)", choices_of(Backend))
-    dtype: str = opt("bfloat16", "weight dtype (torch backend)", DTYPES)
+                       "dequantised to --dtype), graph (Llama / Qwen2 / Mistral checkpoints on specdec's "
+                       "static-shape model over a paged K/V pool of --kv-cache-bytes, CUDA graphs captured "
+                       "at start on CUDA), or auto (llama.cpp for a .gguf file when llama-cpp-python is "
+                       "installed, graph on CUDA for the architectures it covers, else torch)",
+                       choices_of(Backend))
+    dtype: str = opt("bfloat16", "weight dtype (torch and graph backends)", DTYPES)
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ... (llama.cpp: cpu, or any other value to "
                       "offload every layer to the GPU llama-cpp-python was built for)")
     threads: int = opt(0, "CPU threads of the model (0 = the backend's default: torch's own, or every core "
@@ -64,12 +67,14 @@ class ModelServiceConfig(ServerTlsConfig):
     port: int = opt(0, "port to listen on (0 = the service default)")
     metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)")
     max_sessions: int = opt(256, "most sessions whose KV cache is kept (LRU beyond)")
-    kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond)")
+    kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond); the graph "
+                              "backend allocates its pool of this size at start (at most what "
+                              "--max-sessions sessions of the full context take)")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
     kv_store: str = opt("", "shared store of K/V chunks: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for "
                         "TLS), memory:// (this process only), or empty (off). A session this replica "
                         "lacks, and a new session's prompt, load the chunks found there instead of "
-                        "prefilling them (torch backend with K/V buffers)")
+                        "prefilling them (torch backend with K/V buffers, graph backend)")
     kv_store_ttl_s: float = opt(3600.0, "seconds a K/V chunk is kept in --kv-store after its last write")
     kv_chunk_tokens: int = opt(256, "tokens per K/V chunk of the prefix cache and --kv-store (the same on "
                                "every replica of a model: keys depend on it)")

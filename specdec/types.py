@@ -64,9 +64,12 @@ class Quantization(StrEnum):
 class Backend(StrEnum):
     """The engine a model service runs its model on (--backend)."""
 
-    AUTO = "auto"            # LLAMA_CPP for a .gguf file when llama-cpp-python is installed, else TORCH
+    AUTO = "auto"            # LLAMA_CPP for a .gguf file when llama-cpp-python is installed; GRAPH on
+                             # CUDA for the architectures it covers; else TORCH
     TORCH = "torch"          # transformers on torch: a directory, a hub id or a .gguf file (dequantised)
     LLAMA_CPP = "llama.cpp"  # llama.cpp through llama-cpp-python: a .gguf file, served as quantised
+    GRAPH = "graph"          # specdec's static-shape Llama / Qwen2 / Mistral over a paged K/V pool,
+                             # CUDA graphs captured at start on CUDA (specdec/runtime/graph/)
 
 
 class KVCacheType(StrEnum):
