@@ -220,7 +220,13 @@ def run(args: argparse.Namespace) -> int:
                 wait_healthy(addresses["draft"], args.startup_timeout, procs)
                 wait_healthy(addresses["target"], args.startup_timeout, procs)
         wait_healthy(addresses["coordinator"], args.startup_timeout, procs)
-        http = f"; OpenAI-compatible API on http://127.0.0.1:{http_port(args)}/v1" if http_port(args) else ""
+        http = ""
+        if http_port(args):
+            from coordinator.openai_protocol import served_model_names
+
+            names = served_model_names(",".join(served_names(args)), target_model)
+            http = (f"; OpenAI-compatible API on http://127.0.0.1:{http_port(args)}/v1 "
+                    f"(model {' or '.join(map(repr, names))})")
         print(f"specdec up: coordinator on {addresses['coordinator']} (draft {draft_model}, "
               f"target {target_model}){http}; Ctrl-C stops all", flush=True)
         if args.prompt is not None:

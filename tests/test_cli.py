@@ -150,7 +150,7 @@ def test_up_stops_its_services_on_sigterm(models):
         for line in proc.stdout:
             if "Ctrl-C stops all" in line or time.monotonic() > deadline:
                 break
-        assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in line
+        assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1 (model 'tiny' or 'tiny-2')" in line
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as reply:
             assert reply.status == 200 and json.loads(reply.read()) == {"status": "ok"}
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as reply:
