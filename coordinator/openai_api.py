@@ -20,8 +20,7 @@ from fastapi.exceptions import StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from specdec import errors
-from specdec.fields import HTTP_CHAT, HTTP_CHAT_COMPLETION_TOKENS, HTTP_COMPLETIONS, Names, name, reword
+from specdec import errors, fields
 from specdec.rpc.security import bearer_token
 from specdec.types import Proposer, SamplingParams, TokenLogprobs
 
@@ -80,10 +79,11 @@ def error_reply(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
                            None, "internal"), {}
 
 
-def http_refusal(exc: errors.InvalidArgument, names: Names) -> ApiError:
+def http_refusal(exc: errors.InvalidArgument, names: fields.Names) -> ApiError:
     """A domain refusal of a request's field as the HTTP API words it: the field it sent, named in
     the message and in `param` (`max_tokens`, not the gRPC API's `max_new_tokens`)."""
-    return ApiError(400, reword(str(exc), names), param=name(exc.field, names), code="invalid_value")
+    return ApiError(400, fields.reword(str(exc), names), param=fields.name(exc.field, names),
+                    code="invalid_value")
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -129,7 +129,7 @@ class Completions:
     def __init__(self, model: str, name: TokenText | None = None):
         self.model = model  # the served name the request used, echoed in `model`
         self.name = name    # names tokens in `logprobs`; None: the request asked for none
-        self.sent = 0     # characters of text streamed so far (the origin of text_offset)
+        self.sent = 0       # characters of text streamed so far (the origin of text_offset)
 
     def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict[str, Any] | None:
         return None if self.name is None else completion_logprobs(entries, self.name, offset)
@@ -177,7 +177,8 @@ class OpenAIApi:
     """The handlers: each reads its body, builds a GenerationRequest, and shapes what the engine
     yields as OpenAI does."""
 
-    def __init__(self, engine: Engine, api_key: str | None, max_body_bytes: int, served_names: tuple[str, ...]):
+    def __init__(self, engine: Engine, api_key: str | None, max_body_bytes: int,
+                 served_names: tuple[str, ...]):
         self.engine = engine
         self.served_names = served_names  # what requests may name as their model; the first is the default
         self.api_key = api_key.encode("ascii") if api_key else None
@@ -232,8 +233,8 @@ class OpenAIApi:
             got = first.get("input")
             sent = json.dumps(got) if isinstance(got, (str, int, float, bool)) else ""
             sent = f", got {sent}" if sent and len(sent) <= 80 else ""
-            raise ApiError(400, f"{where}: {first['msg']}{sent}", param=str(first["loc"][0]) if first["loc"] else None,
-                           code="invalid_value") from None
+            raise ApiError(400, f"{where}: {first['msg']}{sent}",
+                           param=str(first["loc"][0]) if first["loc"] else None, code="invalid_value") from None
         if parsed.model_extra:
             log.info("OpenAI API: ignored unknown fields %s", ", ".join(sorted(parsed.model_extra)))
         if parsed.model not in self.served_names:
@@ -291,7 +292,7 @@ class OpenAIApi:
     # ---- the response --------------------------------------------------------------------------
 
     async def run(self, http: Request, request: GenerationRequest, shape: Completions, stream: bool,
-                  include_usage: bool, names: Names) -> Response:
+                  include_usage: bool, names: fields.Names) -> Response:
         """The generation as one response or as events, its refusals worded with the endpoint's
         field `names`."""
         try:
@@ -378,14 +379,14 @@ class OpenAIApi:
         body = await self.body(request, CompletionRequest)
         generation = self.generation(body, body.max_tokens, **self.prompt_input(body.prompt))
         return await self.run(request, generation, Completions(body.model, self.names(body)), body.stream,
-                              _include_usage(body), HTTP_COMPLETIONS)
+                              _include_usage(body), fields.HTTP_COMPLETIONS)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
         body = await self.body(request, ChatCompletionRequest)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         generation = self.generation(body, max_tokens, **self.messages_input(body.messages))
-        names = HTTP_CHAT if body.max_completion_tokens is None else HTTP_CHAT_COMPLETION_TOKENS
+        names = fields.HTTP_CHAT if body.max_completion_tokens is None else fields.HTTP_CHAT_COMPLETION_TOKENS
         return await self.run(request, generation, ChatCompletions(body.model, self.names(body)), body.stream,
                               _include_usage(body), names)
 
