@@ -28,6 +28,8 @@ from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference
 from tests.test_e2e_sampling import assert_follows, exact_first_two, sampled_first_two
+from tests.test_kv_tier import history, namespace_db  # noqa: F401 - a fixture
+from tests.test_proposers import target_only
 
 GRAPH = {"backend": "graph", "kv_cache_bytes": 8 << 20}
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Le café est très chaud", "for i in range(10):"]
@@ -212,6 +214,25 @@ def test_a_continued_session_and_a_resend_after_lost_caches(models, expected):
                                 num_speculative_tokens=3, ignore_eos=True)
         assert rest.stats.cache_misses > 0
         assert list(first.token_ids) + list(more.token_ids) + list(rest.token_ids) == expected[prompt]
+
+
+@pytest.mark.e2e
+def test_a_session_moved_to_fresh_graph_replicas_restores_its_chunks_from_redis(models, namespace_db):  # noqa: F811
+    paths = models["llama"]
+    services = {**GRAPH, "kv_store": namespace_db, "kv_chunk_tokens": 16, "prefix_cache_bytes": 0}
+    fields = dict(max_new_tokens=16, ignore_eos=True, proposer=DRAFT, num_speculative_tokens=3)
+    prompt = history(70, seed=5)
+    with Cluster(paths["draft"], paths["target"], draft=services, target=services,
+                 coordinator={"session_store": namespace_db}) as first:
+        turn1 = first.complete(token_ids=prompt, **fields)
+        for runner in (first.target_servicer.verifier.runner, first.draft_servicer.proposer.runner):
+            assert runner.kv_tier.writer.flush(10)
+    with Cluster(paths["draft"], paths["target"], draft=services, target=services,
+                 coordinator={"session_store": namespace_db}) as fresh:
+        turn2 = fresh.complete(session_id=turn1.session_id, token_ids=[4, 5, 6], **fields)
+        assert turn2.stats.target_restored_tokens >= 64 and turn2.stats.draft_restored_tokens >= 48
+    full = prompt + list(turn1.token_ids) + [4, 5, 6]
+    assert list(turn2.token_ids) == target_only(paths["target"], full, 16)
 
 
 @pytest.mark.e2e
