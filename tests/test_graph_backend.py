@@ -68,6 +68,7 @@ def test_auto_picks_graph_on_cuda_for_the_architectures_it_covers(models):
     assert resolve_backend("auto", gpt2, device="cuda") == Backend.TORCH  # not covered: the HF engine
     assert resolve_backend("auto", llama) == Backend.TORCH  # on a CPU, today's choice
     assert resolve_backend("auto", "m.gguf", llama_cpp_available=True, device="cuda") == Backend.LLAMA_CPP
+    assert resolve_backend("auto", llama, device="cuda", quantize="int8") == Backend.TORCH  # plain weights only
     assert resolve_backend("graph", llama) == Backend.GRAPH
 
 

@@ -31,9 +31,10 @@ def model_type(model: str) -> str | None:
 
 
 def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None = None,
-                    device: str = "cpu") -> Backend:
+                    device: str = "cpu", quantize: str = Quantization.NONE) -> Backend:
     """The engine --backend names; AUTO is llama.cpp for a .gguf file when llama-cpp-python is
-    installed, the graph engine on CUDA for the architectures it covers, else torch.
+    installed, the graph engine on CUDA for the architectures it covers (plain weights: not
+    with --quantize int8/int4), else torch.
     ModelLoadError for llama.cpp with something other than a .gguf file."""
     try:
         backend = Backend(backend)
@@ -44,7 +45,7 @@ def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None =
         available = llama_cpp_installed() if llama_cpp_available is None else llama_cpp_available
         if is_gguf and available:
             return Backend.LLAMA_CPP
-        if device.startswith("cuda") and not is_gguf:
+        if device.startswith("cuda") and not is_gguf and quantize not in (Quantization.INT8, Quantization.INT4):
             from specdec.runtime.graph.model import ARCHITECTURES
 
             if model_type(model) in ARCHITECTURES:
@@ -58,7 +59,8 @@ def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None =
 
 def runner_from_config(config) -> SessionRunner:
     """Load the model of a ModelServiceConfig on its engine, with its cache bounds."""
-    backend = resolve_backend(config.backend, config.model, device=config.device)
+    backend = resolve_backend(config.backend, config.model, device=config.device,
+                              quantize=getattr(config, "quantize", Quantization.NONE))
     if backend == Backend.LLAMA_CPP:
         from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
 
