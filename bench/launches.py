@@ -20,7 +20,8 @@ Per call:
              empty allocations, dtype queries), not a composite whose work is done by an op
              below it (aten::linear -> aten::mm counts once)
   syncs      host synchronisations a GPU would make, the sum of:
-    items    aten::_local_scalar_dense: tensor.item(), int(t), float(t), bool(t)
+    items    aten::_local_scalar_dense: tensor.item(), int(t), float(t), bool(t) (not under
+             aten::_assert_async, which a GPU checks on the device)
     reads    Tensor.tolist(), .cpu(), .numpy(): a device-to-host copy (blocking)
     sized    aten::nonzero, masked_select, unique, repeat_interleave: an output sized by data
     uploads  torch.tensor / torch.as_tensor of host data with a device: a host-to-device copy
@@ -30,8 +31,8 @@ Per call:
 
 Rows: a draft step (Propose γ=1), a Propose of γ=4 (the per-step cost is the difference over 3),
 a target step (a Verify with no drafts, as a target-only round sends), Verify of each --gammas
-drafts (rejected: a round of a random draft), a Verify of a --tree-nodes tree, and the sampled
-(temperature 1) Propose and Verify at γ=4. Each row at each --histories length: counts that grow
+drafts (rejected: a round of a random draft), a Verify of a --tree-nodes tree, and sampled
+(temperature 1) calls: Propose γ=4, a target step, Verify γ=4. Each row at each --histories length: counts that grow
 with the history are per-call work that grows with the context. Models: `tiny` (specdec.tiny's
 llama, width 32, 2 layers, float32) and `qwen-small` (Qwen2.5-0.5B's shape — hidden 896, 14
 heads, 2 K/V heads, MLP 4864, vocabulary 151,936 — with 2 layers instead of 24, bfloat16,
@@ -71,6 +72,17 @@ SIZED = frozenset(f"aten::{name}" for name in ("nonzero", "nonzero_static", "mas
                                                "_unique", "_unique2", "unique_dim", "unique_consecutive",
                                                "repeat_interleave"))
 ITEM = "aten::_local_scalar_dense"
+ASYNC_CHECK = "aten::_assert_async"  # reads its flag on a CPU; on a GPU it checks on the device, no sync
+
+
+def _under(event: Any, name: str) -> bool:
+    """Whether an op named `name` is among the event's callers."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 @dataclass
@@ -146,7 +158,7 @@ def count_events(events: Any, host: HostCalls) -> Counts:
         return launches[key]
 
     kernels = sum(launches_kernel(e) for e in aten)
-    items = sum(e.name == ITEM for e in aten)
+    items = sum(e.name == ITEM and not _under(e, ASYNC_CHECK) for e in aten)
     sized = sum(e.name in SIZED for e in aten)
     return Counts(len(aten), kernels, items + host.reads + sized + host.uploads, items, host.reads, sized,
                   host.uploads)
@@ -302,7 +314,8 @@ def row_specs(gammas: list[int], tree_nodes: int) -> list[RowSpec]:
     rows += [RowSpec(f"verify γ={g}", "target", g) for g in gammas]
     if tree_nodes:
         rows.append(RowSpec(f"verify tree n={tree_nodes}", "target", tree_nodes, tree=True))
-    rows += [RowSpec("propose γ=4 sampled", "draft", 4, 1.0), RowSpec("verify γ=4 sampled", "target", 4, 1.0)]
+    rows += [RowSpec("propose γ=4 sampled", "draft", 4, 1.0), RowSpec("target step sampled", "target", 0, 1.0),
+             RowSpec("verify γ=4 sampled", "target", 4, 1.0)]
     return rows
 
 

@@ -47,6 +47,11 @@ class DraftQ:
                    torch.tensor(of_drafts, dtype=torch.float32, device=device))
 
     @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> "DraftQ":
+        """No drafts (a target-only round): nothing to check, no host synchronisation."""
+        return cls((), (), torch.zeros(0, dtype=torch.float32, device=device))
+
+    @classmethod
     def from_dense(cls, q: torch.Tensor, drafts: Sequence[int]) -> "DraftQ":
         """From dense rows q [γ, vocab] (tests and hand-built examples); zeros are dropped."""
         ids = tuple(torch.nonzero(q[i] > 0).flatten() for i in range(len(drafts)))

@@ -133,7 +133,7 @@ class Verifier:
         else:
             generator = make_generator(call.seed, self.runner.device)
             p = target_probs(logits, call.params)  # [γ+1, vocab]
-            verdict = accept_sampled(call.drafts, call.draft_q or DraftQ.from_dense(p[:0], []), p, generator)
+            verdict = accept_sampled(call.drafts, call.draft_q or DraftQ.empty(p.device), p, generator)
         entry.crop(len(entry) - len(call.drafts) + verdict.num_accepted)
         emitted = verdict.committed(call.drafts)
         return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs,

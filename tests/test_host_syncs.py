@@ -22,9 +22,10 @@ def runner():
     return launches.make_runner(model)
 
 
-def _counts(runner, history: int, drafts: int = 0, tree: bool = False, service: str = "target"):
+def _counts(runner, history: int, drafts: int = 0, tree: bool = False, service: str = "target",
+            temperature: float = 0.0):
     rows = launches.Rows(runner, history)
-    spec = launches.RowSpec(f"{service}-{drafts}-{tree}", service, drafts, tree=tree)
+    spec = launches.RowSpec(f"{service}-{drafts}-{tree}-{temperature}", service, drafts, temperature, tree)
     return launches.measure_row(rows, spec, repeats=1, warmup=1)
 
 
@@ -32,6 +33,11 @@ def test_a_target_only_verify_synchronises_once(runner):
     counts = _counts(runner, 32)
     assert counts.syncs == 1, counts  # the verdict's token read back; no upload, no item()
     assert counts.reads == 1
+
+
+def test_a_sampled_target_only_verify_synchronises_once(runner):
+    counts = _counts(runner, 32, temperature=1.0)
+    assert counts.syncs == 1, counts  # the drawn token; no check of an empty q
 
 
 @pytest.mark.parametrize("drafts,tree", [(4, False), (6, True)])
