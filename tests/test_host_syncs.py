@@ -67,3 +67,15 @@ def test_an_upload_to_a_gpu_is_asynchronous_and_exact():
     data = [[7, 8, 9]] * 3
     tensor = batch_cache.upload(data, torch.long, "cuda")
     assert tensor.is_cuda and tensor.cpu().tolist() == data
+
+
+def test_a_draft_q_stays_on_the_host_until_the_model_thread_moves_it():
+    from specdec.draft_q import DraftQ
+    from specdec.types import SparseDist
+
+    q = DraftQ.from_sparse([SparseDist((3, 5), (0.25, 0.75))], [5], vocab=8)
+    assert q.of_drafts.device.type == "cpu" and q.to("cpu") is q
+    if torch.cuda.is_available():
+        moved = q.to("cuda")
+        assert moved.of_drafts.is_cuda and moved.of_drafts.cpu().tolist() == [0.75]
+        assert moved.ids[0].cpu().tolist() == [3, 5]
