@@ -277,7 +277,7 @@ class Engine:
         """The round's source and γ (at most `cap`): draft model, prompt lookup or none."""
         started = time.perf_counter()
         record, stats = run.record, run.stats
-        draft_seed, target_seed = rng.round_seeds()
+        seeds = rng.round_seeds()
         draft_up = self.routes.usable(Tier.DRAFT)
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
@@ -286,7 +286,7 @@ class Engine:
         plan = spec.plan(record.token_ids, cap, draft_up, allowed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("session %s round: %s", session_tag(record.session_id), spec.describe(plan))
-        return Round(run, spec, plan, len(record.token_ids), cap, params, rng, draft_seed, target_seed,
+        return Round(run, spec, plan, len(record.token_ids), cap, params, rng, seeds,
                      draft_up, allowed, started)
 
     async def _round(self, run: RequestRun, spec: RequestSpeculation, cap: int, params: SamplingParams,
@@ -307,7 +307,7 @@ class Engine:
         self.verifying_tokens += own
         batch_tokens = self.verifying_tokens  # this round's and the other generations' in flight
         try:
-            verdict = await self.calls.verify(run, tokens, proposal, params, rnd.target_seed)
+            verdict = await self.calls.verify(run, tokens, proposal, params, rnd.seeds.target)
         except BaseException:
             for call in side:
                 await call.discard()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from specdec.fingerprint import PrefixHashes
-from specdec.rng import RequestRng
+from specdec.rng import RequestRng, RoundSeeds
 from specdec.tree import TokenTree
 from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, TokenLogprobs, Verdict
 
@@ -62,8 +62,7 @@ class Round:
     cap: int                  # the most tokens it may propose
     params: SamplingParams
     rng: RequestRng
-    draft_seed: int           # this round's seed for the draft's draws
-    target_seed: int          # ... and for the target's
+    seeds: RoundSeeds         # this round's seeds: the draft's, the target's, a call made ahead's
     draft_up: bool            # a draft replica was usable when it was planned
     allowed: bool             # the load governor lets adaptive requests speculate now
     started: float            # time.perf_counter() when it began

@@ -134,6 +134,8 @@ class RequestSpeculation:
         if choice.source == Proposer.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
             if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as branches
+                # the room left (cap) bounds a tree by its depth: γ ≤ cap, and every branch is cut
+                # to lookup's candidates (≤ cap); its nodes, by the services' limit only
                 lookup = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
                           if candidates and self.governed else 0)  # a fixed γ: the tree asked for
                 branches = self.ngram.continuations(lookup, LOOKUP_BRANCHES) if lookup else []

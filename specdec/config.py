@@ -28,9 +28,10 @@ def choices_of(names: type[StrEnum]) -> tuple[str, ...]:
     return tuple(member.value for member in names)
 
 
-def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with its help text (and optional choices)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, many: bool = False) -> Any:
+    """A config field with its help text (and optional choices). many: the flag takes one or more
+    values (`--flag a b`), kept comma-separated as the environment variable spells them."""
+    return field(default=default, metadata={"help": help, "choices": choices, "many": many})
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,23 @@ class CoordinatorConfig(ServerTlsConfig):
     http_port: int = opt(0, "OpenAI-compatible HTTP API port: /v1/completions, /v1/chat/completions, "
                          "/v1/models, /health, on --host with the TLS and API key of the gRPC port "
                          "(0 = off; -1 = any free port)")
+    served_model_name: str = opt("", "the model name(s) the OpenAI-compatible API answers to and GET "
+                                 "/v1/models lists, the first in responses unless a request names "
+                                 "another (default: the target's model: a hub id as it is, a path's "
+                                 "base name less .gguf); several: space-separated after the flag, "
+                                 "comma-separated in the environment", many=True)
     http_max_body_bytes: int = opt(1 << 20, "largest HTTP request body the OpenAI-compatible API accepts "
                                    "(larger ones get 413)")
+
+
+def names_of(value: str) -> tuple[str, ...]:
+    """The values of a field of several (opt's many): comma-separated, blanks dropped."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def help_of(cls: type, name: str) -> str:
+    """The help text of one field of `cls` (a command that passes the field on to a service)."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _flag(name: str) -> str:
@@ -248,7 +264,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str) -> No
             parser.add_argument(_flag(f.name), dest=f.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(_flag(f.name), dest=f.name, default=None,
+            parser.add_argument(_flag(f.name), dest=f.name, default=None, nargs="+" if f.metadata.get("many") else None,
                                 choices=f.metadata.get("choices"), help=help_text)
 
 
@@ -269,6 +285,8 @@ def from_sources(cls: type[C], prefix: str, args: Mapping[str, Any] | None = Non
             raw, source = env[env_name(prefix, f.name)], env_name(prefix, f.name)
         if raw is None:
             continue
+        if isinstance(raw, list):  # a flag of several values (opt's many)
+            raw = ",".join(raw)
         try:
             values[f.name] = raw if isinstance(raw, bool) else _convert(kind, str(raw))
         except ValueError as exc:

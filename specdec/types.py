@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from specdec.cores import CpuPlacement
 from specdec.errors import InvalidArgument
+from specdec.fields import Field
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
@@ -111,12 +112,13 @@ class SamplingParams:
         """Raise InvalidArgument with an actionable message for out-of-range values."""
         if not 0.0 <= self.temperature <= FLOAT32_MAX:
             raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy) that a float32 holds "
-                                  f"(at most {FLOAT32_MAX:.4g}), got {self.temperature}")
+                                  f"(at most {FLOAT32_MAX:.4g}), got {self.temperature}", Field.TEMPERATURE)
         if not 0 <= self.top_k <= INT32_MAX:
-            raise InvalidArgument(f"top_k must be in [0, {INT32_MAX}] (0 disables top-k), got {self.top_k}")
+            raise InvalidArgument(f"top_k must be in [0, {INT32_MAX}] (0 disables top-k), got {self.top_k}",
+                                  Field.TOP_K)
         if not (FLOAT32_TINY <= self.top_p <= 1.0):
             raise InvalidArgument(f"top_p must be in (0, 1] (1 disables top-p) and at least {FLOAT32_TINY:.3g} "
-                                  f"(a float32 holds nothing smaller), got {self.top_p}")
+                                  f"(a float32 holds nothing smaller), got {self.top_p}", Field.TOP_P)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def check_top_logprobs(top: int | None) -> None:
     """None (no log-probabilities) or 0..MAX_TOP_LOGPROBS alternatives per token."""
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0: only the emitted "
-                              f"token's log-probability), got {top}")
+                              f"token's log-probability), got {top}", Field.TOP_LOGPROBS)
 
 
 @dataclass(frozen=True)

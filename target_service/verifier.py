@@ -53,9 +53,6 @@ class Verifier:
                 f"{gamma} draft tokens exceed this service's limit of "
                 f"{runner.description.max_speculative_tokens}"
             )
-        runner.check_request(session_id, prefix_len, new_tokens, gamma)
-        runner.check_token_ids(drafts, "draft_tokens")
-        check_top_logprobs(top_logprobs)
         tree = None
         if draft_parents:
             tree = TokenTree(tuple(drafts), tuple(draft_parents))
@@ -65,6 +62,11 @@ class Verifier:
             elif not runner.verifies_trees:
                 raise InvalidArgument("this target service verifies chains only (its engine cannot mask a "
                                       "tree): send draft_parents empty (see ModelInfo.verifies_trees)")
+        # a tree's nodes sit at the root's position plus their depth: it reaches only as far
+        # into the context as it is deep, however many nodes it has
+        runner.check_request(session_id, prefix_len, new_tokens, gamma if tree is None else max(tree.depths()))
+        runner.check_token_ids(drafts, "draft_tokens")
+        check_top_logprobs(top_logprobs)
         draft_q = None
         if not params.greedy and gamma:
             # on the host: this runs on the event loop, where a copy to a GPU would wait for the

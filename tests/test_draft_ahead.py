@@ -7,30 +7,24 @@ Greedy, float64: output equals the target's alone, with the target as its own dr
 guess right: most rounds are drafted ahead, and the draft is called about once per two
 rounds) and with an unrelated draft (guesses mostly wrong: the calls made ahead are dropped
 and the draft's cache rolls back on the next call), at adaptive and fixed γ; a fixed γ is
-still exactly γ. Sampled: the third token, which a round drafted ahead proposes, follows the
-target's distribution (chi-square against the exact one computed from the model).
+still exactly γ. Sampled output over all requests, drafting ahead on, follows the target's
+distribution: tests/test_sampled_sources.py.
 """
 
 from __future__ import annotations
 
-import itertools
 
 import grpc
-import numpy as np
 import pytest
-import torch
 
 from coordinator.draft_ahead_trial import DraftAheadTrial
 from coordinator.speculation import FixedCosts
-from specdec.runtime.loader import load_model
-from specdec.sampling import target_probs
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.cluster import Cluster
 from tests.procs import Coordinator, ServiceProcess
 from tests.spies import RequestRecorder
 from tests.test_proposers import IDS_PROMPTS, proposer, target_only
-from tests.test_sampling import chi2_pvalue
 
 AHEAD = {"draft_ahead": "on", "draft_hints": False, "draft_min_confidence": 0.0}  # the 12-word draft is never sure
 
@@ -129,60 +123,6 @@ def test_auto_never_drafts_ahead_on_shared_cores(small_vocab_models):
             assert response.stats.draft_rounds > 2
             assert (response.stats.draft_ahead_calls > 0) is ahead
             assert not cluster.coordinator.engine.draft_model.trial.bands
-
-
-def next_token_table(target_dir: str, params: SamplingParams, prompt: list[int]) -> np.ndarray:
-    """[vocab, vocab, vocab]: P(token 3 | token 1 = a, token 2 = b) under the warp."""
-    model = load_model(target_dir, "float64").model
-    vocab = model.config.vocab_size
-    pairs = list(itertools.product(range(vocab), repeat=2))
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + [a, b] for a, b in pairs])).logits[:, -1]  # [vocab², vocab]
-        probs = target_probs(logits, params).double()
-    return probs.numpy().reshape(vocab, vocab, vocab)
-
-
-@pytest.fixture(scope="module")
-def near_draft(small_vocab_models, tmp_path_factory) -> str:
-    """The target with its output layer scaled by 1.2 (and its tokenizer): a draft a little
-    sharper than the target, agreeing with it often, so guesses of the bonus are often right."""
-    from transformers import AutoTokenizer
-
-    target = small_vocab_models["target"]
-    model = load_model(target, "float32").model
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(1.2)
-    path = tmp_path_factory.mktemp("near-draft")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(target).save_pretrained(path)
-    return str(path)
-
-
-@pytest.mark.e2e
-def test_sampled_tokens_drafted_ahead_follow_the_target(small_vocab_models, near_draft):
-    """γ = 1: round 1 commits tokens 1 and 2 (its bonus); when the target took the draft and the
-    draft's guess of that bonus was right, round 2's draft (token 3) was drafted ahead. Given
-    tokens 1 and 2, token 3 must follow the target's P(· | tokens 1, 2), whether its round was
-    drafted ahead or not (whether it was depends on tokens 1 and 2 and the round-1 draws only).
-    Checked on the requests drafted ahead: their expected counts are the sum of those
-    conditionals (chi-square; conservative for a sum of different multinomials)."""
-    target = small_vocab_models["target"]
-    params, prompt, samples = SamplingParams(temperature=0.8), [3, 7, 5], 1500
-    table = next_token_table(target, params, prompt)
-    counts, expected = np.zeros(table.shape[0]), np.zeros(table.shape[0])
-    with Cluster(near_draft, target, coordinator=AHEAD) as cluster:
-        for seed in range(samples):
-            response = cluster.complete(token_ids=prompt, max_new_tokens=4, num_speculative_tokens=1,
-                                        proposer=proposer("draft"), temperature=params.temperature,
-                                        seed=seed, ignore_eos=True)
-            first, second, third = response.token_ids[:3]
-            if response.stats.draft_ahead_rounds:
-                counts[third] += 1
-                expected += table[first, second]
-    assert counts.sum() > samples // 10  # guesses were right often enough to count
-    support = expected > 1e-9
-    assert counts[~support].sum() == 0
-    assert chi2_pvalue(counts[support], expected[support]) > 1e-3, (counts, expected)
 
 
 @pytest.mark.e2e

@@ -120,7 +120,7 @@ def test_auto_trees_where_costs_favour_them_equal_target_only(models):
             assert chains.stats.tree_rounds == 0 and chains.stats.draft_rounds > 0
 
 
-def believe_draft_and_lookup(cluster: Cluster) -> None:
+def believe_draft_and_lookup(cluster: Cluster, draft_alpha: float = 0.9, lookup_alpha: float = 0.5) -> None:
     """Every new session of the cluster's coordinator believes the draft (α 0.9, so each
     adaptive round is a draft tree) and believes prompt lookup enough (α 0.5, verification flat
     under the pinned cost ratio) to graft its tokens on: its own α only, pinned by 10,000 trials."""
@@ -132,8 +132,8 @@ def believe_draft_and_lookup(cluster: Cluster) -> None:
         policy = new_policy(session_id)
         if fresh:
             policy.draft_prior = None
-            policy.seed(Proposer.DRAFT, 0.9, 10_000)
-            policy.seed(Proposer.NGRAM, 0.5, 10_000)
+            policy.seed(Proposer.DRAFT, draft_alpha, 10_000)
+            policy.seed(Proposer.NGRAM, lookup_alpha, 10_000)
         return policy
 
     speculation.policy = believing

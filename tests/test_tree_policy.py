@@ -114,6 +114,23 @@ def test_auto_requests_get_trees_and_a_chain_only_pair_or_off_never():
                                                 tree_nodes=6, mode=Proposer.DRAFT, fixed_gamma=3))
 
 
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_a_tree_reaches_no_deeper_than_the_room_left(cap):
+    """Near the end of the context (or of max_new_tokens) the round's cap bounds a tree by its
+    depth: the draft's γ and every grafted lookup branch, whatever the node count asked for
+    (the target checks the depth against the context, not the nodes)."""
+    spec = flat_speculation()
+    believing = spec.policy("s")  # a sure draft, and lookup believed enough to graft its tokens on
+    believing.draft_prior = None
+    believing.seed(Proposer.DRAFT, 0.9, 10_000)
+    believing.seed(Proposer.NGRAM, 0.5, 10_000)
+    request = spec.start("s", Proposer.AUTO, None, tree_nodes=8, pair_grows_trees=True)
+    history = [1, 2, 3, 4, 5] * 6  # prompt lookup's continuations are long
+    for plan in [request.plan(history, cap, True) for _ in range(10)]:
+        assert plan.source == Proposer.DRAFT and plan.tree_nodes == 8 and 0 < plan.gamma <= cap
+        assert plan.branches and all(len(branch) <= cap for branch in plan.branches)
+
+
 def test_prompt_lookup_rounds_are_never_trees():
     spec = flat_speculation()
     request = spec.start("s", Proposer.NGRAM, None, pair_grows_trees=True)

@@ -2,12 +2,15 @@
 from dγ for the next round.
 
 The call made ahead asks the draft (which holds the history and d1..dγ-1) for dγ plus some
-steps, drawn with the next round's draft seed. Its first token e1 is the draft's guess of the
-target's bonus token. When the target accepts every draft and its bonus is e1, e2.. become the
-next round's drafts with their q, and that round makes no draft call; otherwise the call is
-dropped (what it left in the draft's cache lies past what the coordinator counts as held, and
-the next Propose crops it). Lossless: each e_i is a draw from the q reported with it, on the
-very history the target commits, and whether they are used depends on e1 and the verdict only.
+steps, drawn with a seed of its own (the round's `seeds.ahead`). Its first token e1 is the
+draft's guess of the target's bonus token. When the target accepts every draft and its bonus is
+e1, e2.. become the next round's drafts with their q, and that round makes no draft call;
+otherwise the call is dropped (what it left in the draft's cache lies past what the coordinator
+counts as held, and the next Propose crops it). Lossless: each e_i is a draw from the q reported
+with it, on the very history the target commits, and whether they are used depends on e1 and
+the verdict only; e2.. are later draws of the call's own stream, independent of e1's. The next
+round's own Propose, made exactly when the guess was wrong, must not replay the draws behind
+that guess, hence the separate seed (specdec/rng.py).
 Whether calls are made at all is `draft_ahead_trial.py`'s question.
 """
 
@@ -64,10 +67,9 @@ class AheadCall:
         run, k = rnd.run, len(drafts)
         self.run, self.base, self.drafts = run, rnd.base, drafts
         prefix_hash = extend_hash(run.hashes.at(rnd.base), drafts[:k - 1])
-        seed = rnd.rng.peek_round_seeds()[0]
-        self.future = asyncio.ensure_future(_propose_ahead(
+        self.future = asyncio.ensure_future(_propose_ahead(  # a seed of its own: see specdec/rng.py
             client, run.record.session_id, rnd.base + k - 1, prefix_hash, drafts[-1], steps, rnd.params,
-            seed, rnd.plan.min_confidence, timeout_s, k, run.cache_salt))
+            rnd.seeds.ahead, rnd.plan.min_confidence, timeout_s, k, run.cache_salt))
 
     async def settle(self, verdict: Verdict) -> None:
         """Keep the drafts made ahead for the next round when the target took every draft and

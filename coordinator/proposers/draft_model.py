@@ -60,7 +60,7 @@ class DraftModel(ProposalSource):
         t0 = time.perf_counter()
         proposal = None
         try:  # a tree's plan carries no hints and no early stop (they go with chains)
-            proposal = await self.calls.propose(run, plan.gamma, rnd.params, rnd.draft_seed, plan.tokens,
+            proposal = await self.calls.propose(run, plan.gamma, rnd.params, rnd.seeds.draft, plan.tokens,
                                                 plan.min_confidence, plan.tree_nodes)
         except DRAFT_FAILURES as exc:
             self.routes.failed(Tier.DRAFT, record.draft.address)  # its sessions move
@@ -151,7 +151,7 @@ class DraftModel(ProposalSource):
         if not (self.beside_verification and rnd.spec.uses_draft and rnd.draft_up and rnd.allowed and run.calls[Tier.DRAFT] == 0
                 and rnd.base - run.record.draft.held > 2):
             return None
-        return _Prefetch(rnd, asyncio.ensure_future(self._catch_up(run, rnd.params, rnd.draft_seed)))
+        return _Prefetch(rnd, asyncio.ensure_future(self._catch_up(run, rnd.params, rnd.seeds.draft)))
 
     async def _catch_up(self, run: RequestRun, params: SamplingParams, seed: int) -> bool:
         """True when the draft now holds the history (its one proposal is dropped)."""

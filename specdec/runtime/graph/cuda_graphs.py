@@ -1,0 +1,176 @@
+"""Run the graph model over sessions: padded to a bucket, replayed from a CUDA graph where captured.
+
+What this module decides:
+- A bucket is a BatchShape (sessions × tokens × blocks per row × tree window). Buckets are
+  captured at start (`capture`), largest first so the smaller ones reuse its memory pool, all
+  sharing one pool; decode is tokens = 1 and verification up to 16 tokens (trees up to 16
+  nodes: the window). A forward takes the smallest bucket that holds it; past the largest it
+  runs eagerly in its exact shape.
+- A captured bucket owns static input tensors and the output its graph writes: a forward
+  builds its batch on the host, copies it into those tensors (one copy per field), replays
+  the graph and slices the real rows' logits out (copied: the next replay overwrites them).
+- Without CUDA (or with capture off) the same buckets, padding and model code run eagerly:
+  only capture and replay differ, so the CPU test suite proves the captured code path's
+  numerics and layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.runtime.graph.batch import BatchShape, ForwardBatch, RowInput, build_batch, check_rows, needed_shape
+from specdec.runtime.graph.model import GraphModel
+from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV
+
+log = logging.getLogger(__name__)
+
+DECODE_AND_VERIFY_TOKENS = (1, 2, 4, 8, 16)  # query columns: decode, then verification of γ+1 ≤ 16
+SESSION_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # rows per bucket
+TREE_WINDOW = 16  # the most tree nodes a captured bucket masks
+
+
+def context_blocks(max_blocks: int, smallest: int = 8) -> tuple[int, ...]:
+    """Per-row block counts for buckets: powers of two from `smallest` up to max_blocks (the
+    gathered keys per row are the bucket's, so short contexts take short buckets)."""
+    out, n = [], smallest
+    while n < max_blocks:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (max_blocks,)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shapes captured at start (their product)."""
+
+    rows: tuple[int, ...] = SESSION_COUNTS  # sessions per forward
+    tokens: tuple[int, ...] = DECODE_AND_VERIFY_TOKENS  # query columns per session
+    blocks: tuple[int, ...] = ()  # block-table entries per session; () = context_blocks of the model's context
+    window: int = TREE_WINDOW  # tree nodes the window mask covers
+
+    def shapes(self) -> list[BatchShape]:
+        """Every bucket, smallest first."""
+        return sorted((BatchShape(r, t, b, self.window) for r in self.rows for t in self.tokens for b in self.blocks),
+                      key=lambda s: (s.rows * s.tokens * s.blocks, s.rows, s.tokens, s.blocks))
+
+
+@dataclass
+class Captured:
+    """One bucket's graph and the tensors it reads and writes."""
+
+    graph: torch.cuda.CUDAGraph  # replays the forward of `inputs`
+    inputs: ForwardBatch  # static inputs on the device: a forward copies its batch here
+    logits: torch.Tensor  # [R, Q, vocab] static output the graph writes
+
+
+def dummy_batch(shape: BatchShape, device: torch.device) -> ForwardBatch:
+    """A batch of padding only (writes go to the null block): for warm-up and capture."""
+    R, Q, B, W = shape.rows, shape.tokens, shape.blocks, shape.window
+    long = dict(dtype=torch.long, device=device)
+    return ForwardBatch(torch.zeros((R, Q), **long), torch.zeros((R, Q), **long),
+                        torch.full((R, Q), NULL_BLOCK, **long), torch.full((R, Q), -1, **long),
+                        torch.full((R, B), NULL_BLOCK, **long), torch.zeros((R,), **long),
+                        torch.zeros((R,), **long), torch.zeros((R, Q, W), dtype=torch.bool, device=device))
+
+
+class GraphRunner:
+    """The graph model, its paged pool and its buckets."""
+
+    def __init__(self, model: GraphModel, kv: PagedKV, buckets: Buckets | None = None, capture: bool | None = None):
+        """capture: capture CUDA graphs (default: when the model is on a CUDA device)."""
+        self.model = model
+        self.kv = kv
+        buckets = buckets or Buckets()
+        if not buckets.blocks:
+            longest = min(model.arch.max_context, kv.capacity_tokens)
+            buckets = dataclasses.replace(buckets, blocks=context_blocks(kv.blocks_needed(longest)))
+        self.buckets = buckets
+        self.shapes = self.buckets.shapes()  # smallest first
+        self.capture_enabled = model.device.type == "cuda" if capture is None else capture
+        if self.capture_enabled and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {model.device}")
+        self.graphs: dict[BatchShape, Captured] = {}
+        self.replays = 0  # forwards served from a captured graph
+        self.eager_runs = 0  # forwards run eagerly (no capture, or past the largest bucket)
+
+    # ---- capture -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Capture every bucket's graph (nothing to do without capture); returns how many."""
+        if not self.capture_enabled:
+            return 0
+        memory_pool = torch.cuda.graph_pool_handle()
+        for shape in reversed(self.shapes):  # largest first: the smaller ones fit in its memory
+            self.graphs[shape] = self._capture_one(shape, memory_pool)
+        torch.cuda.synchronize(self.model.device)
+        log.info("captured %d CUDA graphs (largest bucket %s)", len(self.graphs), self.shapes[-1])
+        return len(self.graphs)
+
+    def _capture_one(self, shape: BatchShape, memory_pool) -> Captured:
+        inputs = dummy_batch(shape, self.model.device)
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: lazy initialisations happen here
+            for _ in range(2):
+                self.model.forward(inputs, self.kv.pools)
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=memory_pool):
+            logits = self.model.forward(inputs, self.kv.pools)  # [R, Q, vocab]
+        return Captured(graph, inputs, logits)
+
+    # ---- forwards ----------------------------------------------------------------------------
+
+    def bucket_for(self, needed: BatchShape) -> BatchShape | None:
+        """The smallest bucket that holds `needed`, None past the largest."""
+        for shape in self.shapes:
+            if shape.holds(needed):
+                return shape
+        return None
+
+    def check_context(self, rows: Sequence[RowInput]) -> None:
+        """InvalidArgument for a row that would outgrow the model's context."""
+        limit = self.model.arch.max_context
+        for row in rows:
+            total = self.kv.length(row.session_id) + len(row.tokens)
+            if total > limit:
+                raise InvalidArgument(f"session {row.session_id!r} would hold {total} tokens, past the "
+                                      f"model's context of {limit}")
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        """Append each row's tokens to its session in ONE forward (rows are distinct sessions,
+        each made with kv.new_session); per row, the logits of its last keep_logits tokens
+        -> [keep_logits, vocab] in the model's dtype. ResourceExhausted when the pool is full
+        (nothing appended). A forward that fails after appending rolls its rows back."""
+        check_rows(self.kv, rows)
+        self.check_context(rows)
+        needed = needed_shape(self.kv, rows)
+        bucket = self.bucket_for(needed)
+        shape = bucket or needed
+        pasts = {row.session_id: self.kv.length(row.session_id) for row in rows}
+        host = build_batch(self.kv, rows, shape)
+        try:
+            captured = self.graphs.get(shape)
+            if captured is not None:
+                host.copy_into(captured.inputs)
+                captured.graph.replay()
+                logits = captured.logits  # [R, Q, vocab]
+                self.replays += 1
+            else:
+                keep = max(row.keep_logits for row in rows)
+                logits = self.model.forward(host.to(self.model.device), self.kv.pools, keep)  # [R, keep, vocab]
+                self.eager_runs += 1
+            width = logits.shape[1]
+            return [logits[r, width - row.keep_logits:].clone() for r, row in enumerate(rows)]
+        except BaseException:
+            for session_id, past in pasts.items():
+                self.kv.truncate(session_id, past)
+            raise

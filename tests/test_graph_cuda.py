@@ -1,0 +1,80 @@
+"""The graph runner's buckets, and its CUDA-graph capture where CUDA is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.runtime.graph.batch import BatchShape, RowInput
+from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner, context_blocks
+from specdec.runtime.graph.model import GraphModel
+from specdec.runtime.graph.paged_kv import PagedKV
+from tests.graph_models import hf_model, reference, run, sequence
+
+pytestmark = pytest.mark.unit
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA graphs need a CUDA device; none here (the CPU runs the same buckets eagerly)")
+
+
+def test_buckets_cover_decode_verification_and_contexts():
+    assert context_blocks(100) == (8, 16, 32, 64, 100)
+    assert context_blocks(5) == (5,)
+    shapes = Buckets(rows=(1, 4), tokens=(1, 16), blocks=(8, 32), window=16).shapes()
+    assert len(shapes) == 8 and shapes[0] == BatchShape(1, 1, 8, 16) and shapes[-1] == BatchShape(4, 16, 32, 16)
+
+
+def test_default_buckets_reach_the_models_context():
+    model = GraphModel.from_hf(hf_model("llama"))  # context 512
+    runner = GraphRunner(model, PagedKV(model.pool_spec(16), 1000))
+    assert runner.buckets.blocks == (8, 16, 32)  # 512 tokens = 32 blocks of 16
+    assert runner.shapes[-1] == BatchShape(64, 16, 32, 16)
+
+
+def test_no_capture_without_cuda():
+    model = GraphModel.from_hf(hf_model("llama"))
+    kv = PagedKV(model.pool_spec(4), 16)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert GraphRunner(model, kv).capture() == 0
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the model is on cpu"):
+        GraphRunner(model, kv, capture=True)
+
+
+def cuda_runner(dtype=torch.float32, buckets=None):
+    hf = hf_model("qwen2", dtype)
+    model = GraphModel.from_hf(hf.to("cuda"))
+    runner = GraphRunner(model, PagedKV(model.pool_spec(16), 256),
+                         buckets or Buckets(rows=(1, 2, 4), tokens=(1, 4, 16), blocks=(4, 32), window=16))
+    return hf, runner
+
+
+@needs_cuda
+def test_captured_graphs_replay_the_eager_logits():
+    hf, runner = cuda_runner()
+    assert runner.capture() == 3 * 3 * 2
+    seqs = [sequence(n, seed=n) for n in (6, 21, 40)]
+    for i, seq in enumerate(seqs):
+        run(runner, f"s{i}", seq[:-3])
+    before = runner.replays
+    got = runner.forward([RowInput(f"s{i}", seq[-3:], 3) for i, seq in enumerate(seqs)])
+    assert runner.replays == before + 1
+    for seq, logits in zip(seqs, got):
+        want = reference(hf, seq)[-3:]  # hf is on cuda with the graph model's weights
+        assert torch.allclose(logits, want, rtol=1e-3, atol=1e-3)
+
+
+@needs_cuda
+def test_captured_greedy_decoding_equals_hf_generate_for_128_tokens():
+    hf, runner = cuda_runner(buckets=Buckets(rows=(1,), tokens=(1, 16), blocks=(16,), window=16))
+    runner.capture()
+    prompt = sequence(9, seed=3)
+    want = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=128,
+                       do_sample=False)[0, len(prompt):].tolist()
+    tokens, logits = [], run(runner, "s", prompt, keep=1)
+    for _ in range(128):
+        tokens.append(int(logits[-1].argmax()))
+        logits = run(runner, "s", tokens[-1:])
+    assert tokens == want
+    assert runner.replays >= 128
