@@ -8,8 +8,8 @@ Usage:
 A decode step on a GPU that does not run as a captured graph costs a kernel launch per ATen
 operation and a stall per host synchronisation; both are counted here with the torch profiler
 while the services' own code runs in this process, without gRPC or the batch scheduler: the
-target's `target_service.verifier.Verifier.verify_batch` and the draft's
-`draft_service.proposer.ModelProposer.propose_batch` over `specdec.runtime.runner.ModelRunner`
+target's `specdec.runtime.verification.Verifier.verify_batch` and the draft's
+`specdec.runtime.drafting.ModelProposer.propose_batch` over `specdec.runtime.runner.ModelRunner`
 (the torch engine, its K/V buffers), one session, one call at a time, each call one round of a
 session that grows by a token per round. The llama.cpp engine runs no torch operations and is
 not counted.
@@ -250,8 +250,8 @@ class Rows:
     """The calls of each row on its own session, for one model at one history length."""
 
     def __init__(self, runner: Any, history: int, seed: int = 0):
-        from draft_service.proposer import ModelProposer
-        from target_service.verifier import Verifier
+        from specdec.runtime.drafting import ModelProposer
+        from specdec.runtime.verification import Verifier
 
         self.runner = runner
         self.verifier = Verifier(runner)

@@ -167,7 +167,7 @@ def serve(args) -> int:
         TargetServicer.verify = handlers.wrap_async(TargetServicer.verify)
     server, _, servicer = start(config(model=args.model, dtype=args.dtype, port=args.port))
     servicer.scheduler.run_batch = work.wrap(servicer.scheduler.run_batch)
-    runner = servicer.proposer.runner if args.serve == "draft" else servicer.verifier.runner
+    runner = servicer.engine if args.serve == "draft" else servicer.engine
     runner.model.forward = forwards.wrap(runner.model.forward)
     sys.stdin.read()
     Path(args.spans).write_text(json.dumps({"work": work.spans, "forwards": forwards.spans,

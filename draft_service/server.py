@@ -17,7 +17,6 @@ from specdec.runtime.worker import ModelWorker
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
-from draft_service.proposer import ModelProposer
 from draft_service.servicer import DraftServicer
 
 DEFAULT_PORT = 50052
@@ -28,15 +27,16 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
           ) -> tuple[BackgroundServer, int, DraftServicer]:
     """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
-    runner = runner_from_config(config)
+    engine = runner_from_config(config)
+    engine.warm_up()  # before serving: the first call finds the engine ready
     worker = ModelWorker(config.max_queue, name="draft-model")
-    proposer = ModelProposer(runner, config.proposal_top_k)
-    scheduler = batch_scheduler(config, worker, proposer.propose_batch, lambda call: len(call.new_tokens) + len(call.hints))
+    drafting = engine.drafting(config.proposal_top_k)
+    scheduler = batch_scheduler(config, worker, drafting.propose_batch, lambda call: len(call.new_tokens) + len(call.hints))
     # a draft's ModelInfo.verifies_trees says whether it grows trees
-    description = dataclasses.replace(runner.description, verifies_trees=runner.grows_trees)
-    servicer = DraftServicer(proposer, description, scheduler,
-                             lambda n: tokenizer_fingerprint(runner.tokenizer, n))
+    description = dataclasses.replace(engine.description, verifies_trees=engine.grows_trees)
+    servicer = DraftServicer(engine, drafting, description, scheduler,
+                             lambda n: tokenizer_fingerprint(engine.tokenizer, n))
     server, port = serve_model(config, "draft", DEFAULT_PORT, servicer,
-                               draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, runner, worker,
+                               draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, engine, worker,
                                credentials, interceptors, {"Propose": "draft"})
     return server, port, servicer

@@ -1,4 +1,5 @@
-"""gRPC servicer of the draft tier: protobuf in, domain call on the model worker, protobuf out."""
+"""gRPC servicer of the draft tier: protobuf in, the engine's drafting on the model worker,
+protobuf out. It calls the engine contract (specdec/runtime/engine.py) and nothing else."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ from specdec.rpc.convert import description_for, dist_to_pb, model_info_to_pb, s
 from specdec.rpc.status import map_errors
 from specdec.rpc.streaming import serve_calls
 from specdec.runtime.calls import deadline_of, run_call
+from specdec.runtime.engine import Drafting, ModelEngine
 from specdec.runtime.scheduler import BatchScheduler
 from specdec.types import ModelDescription
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
-from draft_service.proposer import ModelProposer
-
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: ModelProposer, description: ModelDescription, scheduler: BatchScheduler,
-                 fingerprint: Callable[[int], str]):
-        self.proposer = proposer
+    def __init__(self, engine: ModelEngine, drafting: Drafting, description: ModelDescription,
+                 scheduler: BatchScheduler, fingerprint: Callable[[int], str]):
+        self.engine = engine
+        self.drafting = drafting  # the engine's k-step loop
         self.description = description
         self.scheduler = scheduler
         self.worker = scheduler.worker
@@ -42,13 +43,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                       deadline: float | None) -> draft_pb2.ProposeResponse:
         """One Propose call, unary or streamed (domain errors propagate); not started after
         `deadline` (time.monotonic())."""
-        call = self.proposer.call(
+        call = self.drafting.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             request.num_speculative_tokens, sampling_from_pb(request.sampling), request.seed,
             list(request.hint_tokens), request.min_confidence, request.uncommitted_tokens,
             request.cache_salt, request.tree_nodes,
         )
-        proposal = await run_call(self.scheduler, self.proposer.runner, call, deadline)
+        proposal = await run_call(self.scheduler, self.engine, call, deadline)
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             draft_probs=[dist_to_pb(d) for d in proposal.draft_probs],
@@ -61,4 +62,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @map_errors
     async def Release(self, request, context):
         self.scheduler.forget(request.session_id)
-        return draft_pb2.DraftServiceReleaseResponse(released=self.proposer.release(request.session_id))
+        return draft_pb2.DraftServiceReleaseResponse(released=self.engine.release(request.session_id))

@@ -17,7 +17,6 @@ from specdec.tokenizer import tokenizer_fingerprint
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 from target_service.servicer import TargetServicer
-from target_service.verifier import Verifier
 
 DEFAULT_PORT = 50053
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -27,14 +26,15 @@ def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerIntercepto
           ) -> tuple[BackgroundServer, int, TargetServicer]:
     """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
-    runner = runner_from_config(config)
+    engine = runner_from_config(config)
+    engine.warm_up()  # before serving: the first call finds the engine ready
     worker = ModelWorker(config.max_queue, name="target-model")
-    verifier = Verifier(runner)
-    scheduler = batch_scheduler(config, worker, verifier.verify_batch,
+    verification = engine.verification()
+    scheduler = batch_scheduler(config, worker, verification.verify_batch,
                                 lambda call: len(call.new_tokens) + len(call.drafts))
-    servicer = TargetServicer(verifier, runner.description, scheduler,
-                              lambda n: tokenizer_fingerprint(runner.tokenizer, n))
+    servicer = TargetServicer(engine, verification, engine.description, scheduler,
+                              lambda n: tokenizer_fingerprint(engine.tokenizer, n))
     server, port = serve_model(config, "target", DEFAULT_PORT, servicer,
-                               target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, runner, worker,
+                               target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, engine, worker,
                                credentials, interceptors, {"Verify": "verify"})
     return server, port, servicer

@@ -1,4 +1,5 @@
-"""gRPC servicer of the target tier: protobuf in, domain call on the model worker, protobuf out."""
+"""gRPC servicer of the target tier: protobuf in, the engine's verification on the model worker,
+protobuf out. It calls the engine contract (specdec/runtime/engine.py) and nothing else."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ from specdec.rpc.convert import description_for, dist_from_pb, logprobs_to_pb, m
 from specdec.rpc.status import map_errors
 from specdec.rpc.streaming import serve_calls
 from specdec.runtime.calls import deadline_of, run_call
+from specdec.runtime.engine import ModelEngine, Verification
 from specdec.runtime.scheduler import BatchScheduler
 from specdec.types import ModelDescription
 from specdec.v1 import target_pb2, target_pb2_grpc
 
-from target_service.verifier import Verifier
-
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, verifier: Verifier, description: ModelDescription, scheduler: BatchScheduler,
-                 fingerprint: Callable[[int], str]):
-        self.verifier = verifier
+    def __init__(self, engine: ModelEngine, verification: Verification, description: ModelDescription,
+                 scheduler: BatchScheduler, fingerprint: Callable[[int], str]):
+        self.engine = engine
+        self.verification = verification  # the engine's forward plus acceptance
         self.description = description
         self.scheduler = scheduler
         self.worker = scheduler.worker
@@ -42,14 +43,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                      deadline: float | None) -> target_pb2.VerifyResponse:
         """One Verify call, unary or streamed (domain errors propagate); not started after
         `deadline` (time.monotonic())."""
-        call = self.verifier.call(
+        call = self.verification.call(
             request.session_id, request.prefix_len, request.prefix_hash, list(request.new_tokens),
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
             sampling_from_pb(request.sampling), request.seed, request.cache_salt,
             request.top_logprobs if request.HasField("top_logprobs") else None,
             list(request.draft_parents),
         )
-        verdict = await run_call(self.scheduler, self.verifier.runner, call, deadline)
+        verdict = await run_call(self.scheduler, self.engine, call, deadline)
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             is_bonus=verdict.is_bonus, accept_probs=verdict.accept_probs,
@@ -62,4 +63,4 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @map_errors
     async def Release(self, request, context):
         self.scheduler.forget(request.session_id)
-        return target_pb2.TargetServiceReleaseResponse(released=self.verifier.release(request.session_id))
+        return target_pb2.TargetServiceReleaseResponse(released=self.engine.release(request.session_id))

@@ -54,9 +54,10 @@ def test_greedy_rows_decide_as_the_scalar_step():
         drafts.append(row[:int(torch.randint(1, gamma + 1, (1,), generator=g))])
     q = torch.zeros(rows, gamma, VOCAB)
     decisions = decide(batch(p, drafts, q, [True] * rows, torch.zeros(rows, gamma + 1))).to_host()
-    for r, (accepted, token) in enumerate(decisions):
+    for r, (accepted, token, ratios) in enumerate(decisions):
         expected = accept_greedy(drafts[r], argmax[r, :len(drafts[r]) + 1].tolist())
         assert (accepted, token) == (expected.num_accepted, expected.next_token), r
+        assert ratios == expected.accept_probs, r
 
 
 def test_sampled_rows_of_different_lengths_follow_p():
@@ -90,8 +91,8 @@ def test_the_scalar_rule_on_hand_built_rows():
     chains = ChainBatch(p, torch.tensor([[1], [1], [1]]), torch.tensor([1, 1, 1]), ids, q,
                         torch.tensor([False] * 3), uniforms)
     decisions = decide(chains).to_host()
-    assert decisions[0] == (1, 2)  # 0.2 < 0.5: accepted, the bonus from p₂ = one-hot 2
-    assert decisions[1] == (0, 2) and decisions[2] == (0, 2)  # rejected: the residual is one-hot 2
+    assert decisions[0] == (1, 2, [0.5])  # 0.2 < 0.5: accepted, the bonus from p₂ = one-hot 2
+    assert decisions[1] == (0, 2, [0.5]) == decisions[2]  # rejected: the residual is one-hot 2
     widths = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
     assert inverse_cdf(widths, torch.tensor([0.0])).tolist() == [2]  # never a zero-mass id
 

@@ -155,7 +155,7 @@ def test_one_verify_batch_equals_each_call_alone(target):
     stub, servicer = target
     rng = random.Random(3)
     histories = [_history(rng) for _ in range(7)]
-    requests = _verify_requests("v", histories, servicer.verifier.runner.model, random.Random(4))
+    requests = _verify_requests("v", histories, servicer.engine.model, random.Random(4))
     for prefix in ("v", "alone-v"):
         for i, history in enumerate(histories):
             stub.Verify(target_pb2.VerifyRequest(session_id=f"{prefix}{i}", prefix_len=0, new_tokens=history,

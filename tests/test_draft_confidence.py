@@ -22,7 +22,7 @@ from specdec.runtime.loader import load_model
 from specdec.runtime.engines import runner_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from draft_service.proposer import ModelProposer
+from specdec.runtime.drafting import ModelProposer
 from tests.cluster import Cluster
 from tests.test_draft_hints import GREEDY, PROMPT
 from tests.test_proposers import IDS_PROMPTS, proposer, target_only

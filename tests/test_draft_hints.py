@@ -17,7 +17,7 @@ from specdec.fingerprint import fingerprint
 from specdec.runtime.engines import runner_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from draft_service.proposer import ModelProposer
+from specdec.runtime.drafting import ModelProposer
 from tests.cluster import Cluster
 from tests.test_proposers import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue

@@ -70,8 +70,8 @@ def test_continuation_appends_and_reuses_caches(llama_cluster):
     assert second.stats.draft_prefill_tokens <= second.stats.prompt_tokens + 2
     deleted = llama_cluster.stub.DeleteSession(coordinator_pb2.DeleteSessionRequest(session_id=first.session_id))
     assert deleted.deleted
-    assert first.session_id not in llama_cluster.target_servicer.verifier.runner.caches
-    assert first.session_id not in llama_cluster.draft_servicer.proposer.runner.caches
+    assert first.session_id not in llama_cluster.target_servicer.engine.caches
+    assert first.session_id not in llama_cluster.draft_servicer.engine.caches
 
 
 def test_draft_refusing_a_token_falls_back_to_target_only(models, tmp_path):

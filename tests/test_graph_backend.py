@@ -166,7 +166,7 @@ def test_kv_chunks_restore_a_prompt_instead_of_prefilling_it(models):
 @pytest.mark.e2e
 def test_greedy_chains_through_graph_services_equal_the_hf_model(graph_cluster, expected):
     assert graph_cluster.coordinator.round_loop.target_info.verifies_trees
-    for runner in (graph_cluster.draft_servicer.proposer.runner, graph_cluster.target_servicer.verifier.runner):
+    for runner in (graph_cluster.draft_servicer.engine, graph_cluster.target_servicer.engine):
         assert isinstance(runner, PagedSessionRunner)
     for gamma in (0, 1, 3, 5):
         for prompt in PROMPTS:
@@ -197,7 +197,7 @@ def test_concurrent_sessions_batched_each_get_their_own_output(graph_cluster, ex
             proposer=DRAFT, ignore_eos=True), jobs))
     for job, response in zip(jobs, done):
         assert list(response.token_ids) == expected[job[0]], job
-    target = graph_cluster.target_servicer.verifier.runner
+    target = graph_cluster.target_servicer.engine
     assert target.graph.eager_runs > 0 and target.tokens_run > 0
 
 
@@ -226,7 +226,7 @@ def test_a_session_moved_to_fresh_graph_replicas_restores_its_chunks_from_redis(
     with Cluster(paths["draft"], paths["target"], draft=services, target=services,
                  coordinator={"session_store": namespace_db}) as first:
         turn1 = first.complete(token_ids=prompt, **fields)
-        for runner in (first.target_servicer.verifier.runner, first.draft_servicer.proposer.runner):
+        for runner in (first.target_servicer.engine, first.draft_servicer.engine):
             assert runner.kv_tier.writer.flush(10)
     with Cluster(paths["draft"], paths["target"], draft=services, target=services,
                  coordinator={"session_store": namespace_db}) as fresh:
@@ -285,7 +285,7 @@ def test_cuda_services_capture_their_graphs_before_serving_and_stay_exact(models
     target = models["llama"]["target"]
     want = reference(target, PROMPTS[:2], NEW_TOKENS)
     with Cluster(models["llama"]["draft"], target, dtype="float32", draft=cuda, target=cuda) as cluster:
-        runner = cluster.target_servicer.verifier.runner
+        runner = cluster.target_servicer.engine
         assert runner.graph.graphs  # captured at start
         for prompt in PROMPTS[:2]:
             for gamma in (0, 3):

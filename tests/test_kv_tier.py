@@ -182,8 +182,8 @@ def test_a_session_moved_to_fresh_replicas_continues_exactly(models, namespace_d
                  target=services) as first:
         sessions = [first.complete(token_ids=prompt, **fields) for _ in range(2)]
         assert list(sessions[0].token_ids) == list(sessions[1].token_ids)
-        first.target_servicer.verifier.runner.kv_tier.writer.flush(10)
-        first.draft_servicer.proposer.runner.kv_tier.writer.flush(10)
+        first.target_servicer.engine.kv_tier.writer.flush(10)
+        first.draft_servicer.engine.kv_tier.writer.flush(10)
     turn = [4, 5, 6]
     continued = []
     for session, store in zip(sessions, (namespace_db, "")):

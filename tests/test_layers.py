@@ -283,6 +283,19 @@ def test_only_session_calls_records_what_a_replica_holds():
 
 
 
+# what the model services may use of the runtime: the engine contract and the plumbing that
+# runs calls on it (the per-round work is the engine's: specdec/runtime/engine.py)
+SERVICE_RUNTIME = {"specdec.runtime.engine", "specdec.runtime.engines", "specdec.runtime.calls",
+                   "specdec.runtime.scheduler", "specdec.runtime.worker"}
+
+
+def test_the_model_services_call_only_the_engine_contract():
+    used = sorted(f"{module} imports {target}" for module, targets in GRAPH.items()
+                  if module.split(".")[0] in ("draft_service", "target_service")
+                  for target in targets if target.startswith("specdec.runtime") and target not in SERVICE_RUNTIME)
+    assert not used, "a model service reaches past the engine contract:\n" + "\n".join(used)
+
+
 def test_no_module_is_over_500_lines():
     long = sorted(f"{path.relative_to(ROOT)}: {n} lines" for path in MODULES.values()
                   if "v1" not in path.parts and (n := len(path.read_text().splitlines())) > 500)

@@ -324,7 +324,7 @@ def test_llama_cpp_draft_with_torch_target_is_exact(models, tmp_path):
                                       num_speculative_tokens=3, ignore_eos=True)
             assert list(response.token_ids) == list(expected.token_ids)
             assert response.stats.draft_tokens > 0
-        draft_eos = set(mixed.draft_servicer.proposer.runner.description.eos_token_ids)
+        draft_eos = set(mixed.draft_servicer.engine.description.eos_token_ids)
     assert 7 in draft_eos and len(draft_eos) >= 2
 
 

@@ -41,7 +41,7 @@ def test_prefill_longer_than_the_rpc_timeout_completes(long_context_pair):
     with Cluster(draft, target, target={"prefill_chunk": 64},
                  coordinator={"rpc_timeout_s": 0.15, "target_retry_s": 30}) as cluster:
         response = cluster.complete(**request)
-        tokens_run = cluster.target_servicer.verifier.runner.tokens_run
+        tokens_run = cluster.target_servicer.engine.tokens_run
     assert list(response.token_ids) == list(expected.token_ids)
     assert response.stats.target_retries >= 1, "the prefill never outlasted the deadline: the test proves nothing"
     # the work was resumed, not redone: the prompt was run about once in all

@@ -199,8 +199,8 @@ def _request(**fields):
 
 def _wait_released(cluster, session_id, timeout=5.0):
     deadline = time.monotonic() + timeout
-    target_caches = cluster.target_servicer.verifier.runner.caches
-    draft_caches = cluster.draft_servicer.proposer.runner.caches
+    target_caches = cluster.target_servicer.engine.caches
+    draft_caches = cluster.draft_servicer.engine.caches
     while time.monotonic() < deadline:
         if session_id not in target_caches and session_id not in draft_caches:
             return True
@@ -256,7 +256,7 @@ def test_kv_budget_evicts_lru_and_rebuilds_transparently(models, tight):
         expected, roomy_misses = conversation(roomy)
     with Cluster(paths["draft"], paths["target"], draft=tight, target=tight) as cluster:
         got, misses = conversation(cluster)
-        caches = cluster.target_servicer.verifier.runner.caches
+        caches = cluster.target_servicer.engine.caches
         assert len(caches) == 1 or caches.total_bytes() <= 40_000
         assert caches.evictions > 0
     assert got == expected

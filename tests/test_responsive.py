@@ -54,14 +54,14 @@ def test_health_and_release_answer_while_the_model_is_busy(target):
     health_s = time.monotonic() - t0
     assert status == health_pb2.HealthCheckResponse.SERVING
     released = stub.Release(target_pb2.TargetServiceReleaseRequest(session_id="held"), timeout=0.5)
-    assert released.released and "held" not in servicer.verifier.runner.caches
+    assert released.released and "held" not in servicer.engine.caches
     assert time.monotonic() - t0 < BUSY_S / 2, "answered only after the model was free"
     print(f"health answered in {health_s * 1000:.1f} ms while the model was busy")
 
 
 def test_calls_past_their_deadline_are_dropped_and_the_queue_is_bounded(target):
     stub, _, servicer = target
-    runner = servicer.verifier.runner
+    runner = servicer.engine
     _hold_the_model(servicer)
     before = runner.tokens_run
     request = target_pb2.VerifyRequest(session_id="late", prefix_len=0, new_tokens=[4, 5], sampling=GREEDY)

@@ -138,7 +138,7 @@ def test_kv_caches_are_bounded_lru(models, tmp_path):
             for sid in ("a", "b", "c"):
                 target.Verify(target_pb2.VerifyRequest(session_id=sid, prefix_len=0, new_tokens=[1, 2, 3],
                                                        sampling=GREEDY))
-            caches = servicer.verifier.runner.caches
+            caches = servicer.engine.caches
             assert "a" not in caches and {"b", "c"} <= set(caches._entries)
             assert caches.evictions == 1
             with pytest.raises(grpc.RpcError) as info:

@@ -247,7 +247,7 @@ def test_a_call_whose_deadline_passed_while_queued_is_dropped(target, run):
         assert isinstance(failure, errors.Unavailable) and "DEADLINE_EXCEEDED" in str(failure)
         await servicer.worker.run(lambda: None)  # the worker is past the dropped calls
         assert servicer.scheduler.batch_sizes == before  # neither ran
-        assert "late" not in servicer.verifier.runner.caches and "late-raw" not in servicer.verifier.runner.caches
+        assert "late" not in servicer.engine.caches and "late-raw" not in servicer.engine.caches
         # the client's stream is still usable after its call timed out
         assert (await _verify(TargetClient(address, 30, MB16), "late", [], [1, 2])).cached_len == 2
         stream.cancel()

@@ -1,4 +1,4 @@
-"""How the draft grows a tree (draft_service/tree_proposer.py) on hand-built logits: the path
+"""How the draft grows a tree (specdec/runtime/tree_drafting.py) on hand-built logits: the path
 scores pick the children, the draft's own chain always stays, the cut keeps whole paths."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_service.tree_proposer import TREE_WIDTH, _Growing, cut, extend
+from specdec.runtime.tree_drafting import TREE_WIDTH, _Growing, cut, extend
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit

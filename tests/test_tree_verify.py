@@ -15,7 +15,7 @@ from specdec.runtime.runner import ModelRunner
 from specdec.runtime.session_runner import Row
 from specdec.maths.tree import TokenTree
 from specdec.types import SamplingParams
-from target_service.verifier import Verifier
+from specdec.runtime.verification import Verifier
 
 HISTORY = [5, 17, 42, 9, 33, 8, 21, 64, 3, 77]
 #        root (77)

@@ -13,7 +13,7 @@ the lookup it chose (the source proposes them with a one-hot q); under `auto` a
 draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
 forward and keeps where it agrees (so γ draft steps may propose more than γ tokens), and an
 adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
-unsure of (draft_service/proposer.py), so γ is a ceiling the draft fills only where it is sure; after
+unsure of (specdec/runtime/drafting.py), so γ is a ceiling the draft fills only where it is sure; after
 verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
 A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
 an adaptive request whose draft and target handle trees, the policy's choice of a tree over a

@@ -9,7 +9,7 @@ import grpc
 from specdec.metrics import Metrics, serve_metrics
 from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.server import BackgroundServer, start_model_server
-from specdec.runtime.session_runner import SessionRunner
+from specdec.runtime.engine import ModelEngine
 from specdec.runtime.worker import ModelWorker
 
 # the health name of the KV store (--kv-store): SERVING while it answers. The service's own name
@@ -18,7 +18,7 @@ KV_STORE_HEALTH = "specdec.v1.KVStore"
 
 
 def serve_model(config, kind: str, default_port: int, servicer, add_to_server, service_name: str,
-                runner: SessionRunner, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
+                runner: ModelEngine, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
                 interceptors: Sequence[grpc.aio.ServerInterceptor], timed: dict[str, str]
                 ) -> tuple[BackgroundServer, int]:
     """Start the server with Prometheus metrics on --metrics-port (when set); `timed` maps the

@@ -45,11 +45,19 @@ class Decisions:
 
     accepted: torch.Tensor    # [R] int64: leading drafts accepted
     next_token: torch.Tensor  # [R] int64: the recovered token (n < γ) or the bonus token (n = γ)
+    ratios: torch.Tensor      # [R, γ_max] float32: min(1, p/q) of each draft (greedy: 1 or 0)
+    gammas: torch.Tensor      # [R] int64: each row's γ (its ratios past γ are padding)
 
-    def to_host(self) -> list[tuple[int, int]]:
-        """(accepted, next token) per row: the round's one host synchronisation."""
-        both = torch.stack([self.accepted, self.next_token], dim=1).tolist()  # [R, 2]
-        return [(int(n), int(token)) for n, token in both]
+    def to_host(self) -> list[tuple[int, int, list[float]]]:
+        """(accepted, next token, the ratios of the drafts examined: accepted + 1 at most) per
+        row: the round's one host synchronisation."""
+        columns = [self.accepted, self.next_token, self.gammas]
+        both = torch.cat([torch.stack(columns, dim=1).double(), self.ratios.double()], dim=1).tolist()
+        out = []
+        for row in both:  # [3 + γ_max] each
+            n, gamma = int(row[0]), int(row[2])
+            out.append((n, int(row[1]), row[3:3 + min(n + 1, gamma)]))
+        return out
 
 
 def row_uniforms(generators: Sequence[torch.Generator | None], gammas: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -90,7 +98,8 @@ def decide(batch: ChainBatch) -> Decisions:
     dist = torch.where(rejected[:, None] & ~empty, residual, p_next)  # [R, vocab]
     drawn = inverse_cdf(dist, batch.uniforms[at, batch.gammas])  # [R]
     next_token = torch.where(batch.greedy, argmax[at, accepted], drawn)
-    return Decisions(accepted, next_token)
+    ratios = torch.where(batch.greedy[:, None], greedy_ok.to(ratio.dtype), ratio)  # [R, γ_max]
+    return Decisions(accepted, next_token, ratios, batch.gammas)
 
 
 def inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,7 @@ def runner_from_config(config) -> SessionRunner:
 
 def graph_runner(config) -> SessionRunner:
     """The graph engine's runner: plain (unquantized, unpacked) weights; its CUDA graphs
-    captured before the service starts serving."""
+    captured by its warm-up, before the service starts serving."""
     from specdec.runtime.graph.runner import graph_runner_from_config
     from specdec.runtime.kv_tier import tensors_digest
     from specdec.runtime.loader import load_model

@@ -38,7 +38,8 @@ import torch
 from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
-from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session_runner import Row
 from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from specdec.maths.tree import TokenTree
 from specdec.types import KVCacheType, ModelDescription
@@ -131,7 +132,7 @@ class LlamaSequence:
             self.spares, self.node_seqs = [], []
 
 
-class LlamaRunner(SessionRunner):
+class LlamaRunner(SessionEngine):
     """One GGUF model in one llama.cpp context, many sessions."""
 
     def __init__(self, path: str, caches_max_sessions: int, kv_cache_bytes: int, max_speculative_tokens: int,

@@ -20,7 +20,8 @@ from specdec.errors import ResourceExhausted
 from specdec.runtime import batch_cache
 from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
-from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session_runner import Row
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
 
@@ -28,7 +29,7 @@ from specdec.types import ModelDescription
 log = logging.getLogger(__name__)
 
 
-class ModelRunner(SessionRunner):
+class ModelRunner(SessionEngine):
     """One transformers model, many sessions."""
 
     def __init__(self, loaded: LoadedModel, caches: SessionCaches, max_speculative_tokens: int,

@@ -37,7 +37,9 @@ from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import PagedKV, blocks_for
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
-from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.runtime.device_verification import DeviceVerifier
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session_runner import Row
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
 
@@ -77,7 +79,7 @@ def pool_budget(kv_cache_bytes: int, max_sessions: int, context: int, bytes_per_
     return min(kv_cache_bytes, max(1, max_sessions) * context * bytes_per_token)
 
 
-class PagedSessionRunner(SessionRunner):
+class PagedSessionRunner(SessionEngine):
     """One Llama / Qwen2 / Mistral model on the graph engine, many sessions in one paged pool."""
 
     def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int, max_speculative_tokens: int,
@@ -124,6 +126,17 @@ class PagedSessionRunner(SessionRunner):
     def capture(self) -> int:
         """Capture the buckets' CUDA graphs (before the service reports SERVING); how many."""
         return self.graph.capture()
+
+    def warm_up(self) -> None:
+        """Capture the CUDA graphs (on CUDA; nothing on a CPU), then the engines' common warm-up."""
+        captured = self.capture()
+        if captured:
+            log.info("%s: %d CUDA graphs captured", self.description.model_id, captured)
+        super().warm_up()
+
+    def verification(self) -> DeviceVerifier:
+        """Chains decided together on the device, one host read per batch."""
+        return DeviceVerifier(self)
 
     # ---- sessions (model thread, `PagedBlocks.close` aside) -----------------------------------
 
@@ -229,11 +242,8 @@ class PagedSessionRunner(SessionRunner):
 
 
 def graph_runner_from_config(config: Any, loaded: LoadedModel) -> PagedSessionRunner:
-    """The runner of a ModelServiceConfig on the graph engine; its CUDA graphs captured (on CUDA)."""
+    """The runner of a ModelServiceConfig on the graph engine (its graphs are captured by warm_up)."""
     rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
     runner = PagedSessionRunner(loaded, config.max_sessions, config.kv_cache_bytes, config.max_speculative_tokens,
                                 config.prefill_chunk, buckets=Buckets(rows=rows))
-    captured = runner.capture()
-    if captured:
-        log.info("%s: %d CUDA graphs captured", config.model, captured)
     return runner

@@ -38,6 +38,8 @@ class VerifyCall:
 
 
 class Verifier:
+    """Verification as host code over the engine's forward_batch: validate, forward, accept."""
+
     def __init__(self, runner: SessionRunner):
         self.runner = runner
 
@@ -97,19 +99,32 @@ class Verifier:
             logits = runner.forward_batch(rows) if rows else []  # per row [γ+1, vocab]
         except Exception as exc:  # noqa: BLE001 - every row of the forward failed with it
             logits = [exc] * len(rows)
+        forwarded: list[tuple[int, SessionCache, torch.Tensor]] = []
         for (index, entry), row_logits in zip(started, logits):
             if isinstance(row_logits, Exception):
                 results[index] = row_logits
-                continue
-            try:
-                results[index] = self._accept(calls[index], entry, row_logits)
-            except Exception as exc:  # noqa: BLE001
-                results[index] = exc
-                continue
-            call = calls[index]
-            runner.keep_committed(entry, call.prefix_len + len(call.new_tokens), call.cache_salt)
+            else:
+                forwarded.append((index, entry, row_logits))
+        verdicts = self.accept_rows([(calls[index], entry, row_logits) for index, entry, row_logits in forwarded])
+        for (index, entry, _), verdict in zip(forwarded, verdicts):
+            results[index] = verdict
+            if not isinstance(verdict, Exception):
+                call = calls[index]
+                runner.keep_committed(entry, call.prefix_len + len(call.new_tokens), call.cache_salt)
         runner.finish([call.session_id for call in calls])
         return results
+
+    def accept_rows(self, rows: Sequence[tuple[VerifyCall, SessionCache, torch.Tensor]]) -> list[Verdict | Exception]:
+        """The acceptance step of each forwarded row (its call, cache and logits [γ+1, vocab]),
+        one row at a time; a row's failure is its own result. An engine may decide them
+        together (device_verification.py)."""
+        verdicts: list[Verdict | Exception] = []
+        for call, entry, logits in rows:
+            try:
+                verdicts.append(self._accept(call, entry, logits))
+            except Exception as exc:  # noqa: BLE001 - this row's error
+                verdicts.append(exc)
+        return verdicts
 
     def _accept_tree(self, call: VerifyCall, tree: TokenTree, entry: SessionCache, logits: torch.Tensor) -> Verdict:
         """The acceptance step over a tree (specdec/maths/tree_acceptance.py); only the accepted path's

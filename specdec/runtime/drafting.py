@@ -28,7 +28,7 @@ from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.maths.sampling import proposal_top_k
 from specdec.types import Proposal, SamplingParams, SparseDist
 
-from draft_service.tree_proposer import grow_trees
+from specdec.runtime.tree_drafting import grow_trees
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,131 @@
+"""The engine contract: what a model service asks of the engine that runs its model.
+
+Every engine implements `ModelEngine` — the HF torch engine (runner.py), llama.cpp
+(llama_runner.py) and the graph engine (graph/runner.py) — and the draft and target services
+call nothing else: they build their engine (engines.py), warm it up before they report
+SERVING, and hand their calls to the engine's `drafting` (the draft's k-step loop) or
+`verification` (forward plus acceptance). Those two are where the per-round work lives, so
+each engine does it its own way: `SessionEngine` gives every engine the host loops of
+drafting.py and verification.py, and an engine overrides them where it has better (the graph
+engine decides a batch's acceptance on the device, device_verification.py).
+
+The parts of the contract:
+- load and warm up: the constructor loads; `warm_up()` runs every path a first call would take
+  (prefill, decode, the engine's own preparations such as CUDA-graph capture) before serving;
+- a session's K/V: `begin` (new, or rolled back to the prefix a call assumes, fingerprint
+  checked), `keep_path` (a tree's accepted path), `release` (drop), the cache bounds;
+- one batched forward over ragged rows (`forward_batch`: per row its own length, positions and,
+  for a tree, its mask);
+- chunked prefill of long inputs (`needs_prefill_steps`, `held_prefix`, `prefill_step`);
+- validation before any cache is touched (`check_request`, `check_token_ids`);
+- the draft's k-step loop and verification, as `Drafting` and `Verification` objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+from specdec.runtime.drafting import ModelProposer, ProposeCall
+from specdec.runtime.kv_cache import SessionCache, SessionCaches
+from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.runtime.verification import Verifier, VerifyCall
+from specdec.types import ModelDescription, Proposal, Verdict
+
+WARM_UP_SESSION = "specdec-warm-up"  # the session warm_up runs and releases
+WARM_UP_TOKENS = 8  # tokens of the prompt it prefills
+
+
+class Drafting(Protocol):
+    """The draft's per-round work: validate a Propose, then draft a batch of them."""
+
+    engine: "ModelEngine"
+
+    def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], gamma: int,
+             *args: Any, **kwargs: Any) -> ProposeCall:
+        """A validated call (InvalidArgument naming what is wrong); no cache is touched."""
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal | Exception]:
+        """On the model thread: each call's drafts, drawn with its own seed; a call's failure is
+        its own result."""
+
+
+class Verification(Protocol):
+    """The target's per-round work: validate a Verify, then verify a batch of them."""
+
+    engine: "ModelEngine"
+
+    def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
+             drafts: list[int], *args: Any, **kwargs: Any) -> VerifyCall:
+        """A validated call (InvalidArgument naming what is wrong); no cache is touched."""
+
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[Verdict | Exception]:
+        """On the model thread: ONE forward over every call's new tokens and drafts, then each
+        call's acceptance step with its own seed; a call's failure is its own result."""
+
+
+@runtime_checkable
+class ModelEngine(Protocol):
+    """One model, many sessions (module docstring). Its methods run on the model worker thread
+    (`release` aside: it may come from another thread and only drops the session's entry)."""
+
+    description: ModelDescription  # what GetModelInfo reports
+    tokenizer: Any                 # the model's transformers tokenizer
+    device: Any                    # the torch device of the logits forward_batch returns
+    caches: SessionCaches          # the sessions' K/V and their bounds
+    kv_tier: Any                   # the prefix cache / K/V store (kv_tier.KVTier), or None
+    verifies_trees: bool           # forward_batch takes rows with a token tree
+    grows_trees: bool              # ... and one whose earlier depths are cached (the draft's trees)
+
+    def warm_up(self) -> None: ...
+
+    def begin(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: Sequence[int],
+              salt: str = "") -> tuple[SessionCache, Sequence[int]]: ...
+
+    def keep_path(self, entry: SessionCache, base: int, path: Sequence[int]) -> None: ...
+
+    def release(self, session_id: str) -> bool: ...
+
+    def finish(self, keep: str | Iterable[str], extra_bytes: int = 0) -> None: ...
+
+    def forward_batch(self, rows: Sequence[Row]) -> list: ...
+
+    def needs_prefill_steps(self, new_tokens: Sequence[int]) -> bool: ...
+
+    def held_prefix(self, session_id: str, prefix_len: int, prefix_hash: int) -> Any: ...
+
+    def prefill_step(self, session_id: str, sequence: Sequence[int], upto: int, salt: str = "") -> tuple[int, int]: ...
+
+    def check_request(self, session_id: str, prefix_len: int, new_tokens: Sequence[int], extra: int) -> None: ...
+
+    def check_token_ids(self, ids: Sequence[int], what: str) -> None: ...
+
+    def drafting(self, proposal_top_k: int) -> Drafting: ...
+
+    def verification(self) -> Verification: ...
+
+
+class SessionEngine(SessionRunner):
+    """What every engine shares: the session half (session_runner.py), a warm-up through the
+    engine's own forward, and the host loops for the per-round work."""
+
+    def warm_up(self) -> None:
+        """Prefill a short prompt, decode one token after it and roll one back, then forget the
+        session: the first real call finds every lazy initialisation done. An engine with more to
+        prepare (graph capture) does it first and calls this."""
+        tokens = [i % max(1, self.embedding_size) for i in range(1, WARM_UP_TOKENS + 1)]
+        try:
+            entry, feed = self.begin(WARM_UP_SESSION, 0, 0, tokens)
+            self.forward(WARM_UP_SESSION, entry, feed, 1)  # prefill
+            self.forward(WARM_UP_SESSION, entry, tokens[:1], 1)  # a decode step
+            entry.crop(len(tokens))  # a rollback
+        finally:
+            self.release(WARM_UP_SESSION)
+            self.finish([])
+
+    def drafting(self, proposal_top_k: int) -> Drafting:
+        """The draft's k-step loop as host code over forward_batch (drafting.py)."""
+        return ModelProposer(self, proposal_top_k)
+
+    def verification(self) -> Verification:
+        """Forward plus the acceptance step row by row (verification.py)."""
+        return Verifier(self)
