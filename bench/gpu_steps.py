@@ -1,0 +1,284 @@
+"""The measurements of bench/gpu.py, each bounded by a Clock: the device's copy bandwidth, an
+engine's decode step and verification curve on a cached history, HF `generate` in-process, and
+specdec end to end through the real services (bench/speedup.py's and bench/concurrency.py's
+helpers).
+
+A Clock is cooperative: a measurement checks it before each repeat and stops early (saying so)
+when the next repeat would not fit, so what was measured so far is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import SimpleNamespace
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from bench import concurrency, report, speedup
+from bench.hf_methods import generate as hf_generate
+from specdec.v1 import coordinator_pb2
+
+HF_PLAIN = "hf plain"  # report.py's name of HF generate, greedy, no assistant
+
+
+class Engine(StrEnum):
+    """The engines whose steps are measured in-process (--backends)."""
+
+    TORCH = "torch"  # transformers' eager modules (specdec's ModelRunner)
+    GRAPH = "graph"  # specdec/runtime/graph: static shapes, paged K/V, CUDA graphs where present
+
+
+@dataclass
+class Clock:
+    """A step's time limit."""
+
+    limit_s: float  # seconds the step may take
+    started: float = field(default_factory=time.monotonic)  # monotonic start
+    cut: list[str] = field(default_factory=list)  # what was left out for lack of time
+
+    def left(self) -> float:
+        return self.limit_s - (time.monotonic() - self.started)
+
+    def fits(self, seconds: float, what: str) -> bool:
+        """Whether `seconds` more fit; when not, `what` is recorded as left out."""
+        if seconds <= self.left():
+            return True
+        self.cut.append(what)
+        return False
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int, clock: Clock) -> dict:
+    """Bytes read + written per second by a device-to-device copy of `nbytes` (median of repeats)."""
+    n = nbytes // 2
+    source = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dest = torch.empty_like(source)
+    for _ in range(2):
+        dest.copy_(source)
+    sync(device)
+    times = []
+    for i in range(repeats):
+        if times and not clock.fits(times[-1], f"copy repeats {i + 1}-{repeats}"):
+            break
+        start = time.perf_counter()
+        dest.copy_(source)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    del source, dest
+    seconds = statistics.median(times)
+    return {"copy_GBps": 2 * n * 2 / seconds / 1e9, "bytes_copied": 2 * n, "median_s": seconds,
+            "repeats": len(times)}
+
+
+# ---- the engines, in-process ------------------------------------------------------------------
+
+class TorchEngine:
+    """specdec's torch engine (transformers' eager modules) on one session."""
+
+    name = Engine.TORCH
+
+    def __init__(self, path: str, dtype: str, device: str):
+        from specdec.config import TargetConfig
+        from specdec.runtime.engines import runner_from_config
+
+        self.runner = runner_from_config(TargetConfig(model=path, backend="torch", dtype=dtype, device=device,
+                                                      max_speculative_tokens=64, prefix_cache_bytes=0))
+        self.entry = None
+        self.details: dict = {}
+
+    @property
+    def hf_model(self) -> Any:
+        return self.runner.model
+
+    def start(self, tokens: Sequence[int]) -> None:
+        self.entry, feed = self.runner.begin("bench", 0, 0, list(tokens))
+        self.runner.forward("bench", self.entry, feed, 1)
+
+    def step(self, tokens: Sequence[int]) -> None:
+        self.runner.forward("bench", self.entry, tokens, len(tokens))
+
+    def rollback(self, length: int) -> None:
+        self.entry.crop(length)
+
+    def close(self) -> None:
+        self.runner.release("bench")
+
+
+class GraphEngine:
+    """The graph engine's runner on one session: buckets of 1 session × 1..16 tokens captured
+    at start on CUDA (eager beyond them, and everywhere without CUDA)."""
+
+    name = Engine.GRAPH
+
+    def __init__(self, path: str, dtype: str, device: str, tokens: int):
+        """tokens: the longest session measured (the pool and the buckets' context are sized to it)."""
+        from specdec.runtime.graph.cuda_graphs import DECODE_AND_VERIFY_TOKENS, TREE_WINDOW, Buckets, GraphRunner
+        from specdec.runtime.graph.model import GraphModel
+        from specdec.runtime.graph.paged_kv import PagedKV
+
+        model, _tokenizer = GraphModel.load(path, dtype, device)
+        spec = model.pool_spec()
+        blocks = -(-tokens // spec.block_size)
+        buckets = Buckets(rows=(1,), tokens=DECODE_AND_VERIFY_TOKENS, blocks=(blocks,), window=TREE_WINDOW)
+        self.runner = GraphRunner(model, PagedKV(spec, blocks + 2), buckets)
+        start = time.perf_counter()
+        graphs = self.runner.capture()
+        self.details = {"graphs_captured": graphs, "capture_s": time.perf_counter() - start,
+                        "buckets": [list(map(int, (s.rows, s.tokens, s.blocks, s.window))) for s in self.runner.shapes]}
+        self.hf_model = None
+
+    def start(self, tokens: Sequence[int]) -> None:
+        from specdec.runtime.graph.batch import RowInput
+
+        self.runner.kv.new_session("bench")
+        self.runner.forward([RowInput("bench", list(tokens), 1)])
+
+    def step(self, tokens: Sequence[int]) -> None:
+        from specdec.runtime.graph.batch import RowInput
+
+        self.runner.forward([RowInput("bench", list(tokens), len(tokens))])
+
+    def rollback(self, length: int) -> None:
+        self.runner.kv.truncate("bench", length)
+
+    def close(self) -> None:
+        self.details.update(replays=self.runner.replays, eager_runs=self.runner.eager_runs)
+        self.runner.kv.drop("bench")
+
+
+def open_engine(name: str, path: str, dtype: str, device: str, tokens: int):
+    if name == Engine.TORCH:
+        return TorchEngine(path, dtype, device)
+    return GraphEngine(path, dtype, device, tokens)
+
+
+def curve(engine, device: torch.device, history: int, sizes: Sequence[int], repeats: int, high: int,
+          clock: Clock) -> dict:
+    """Milliseconds of one forward of k new tokens on a session holding `history` tokens, per
+    k in sizes (median of the repeats; the sizes interleaved within each repeat, rolled back
+    after each) -> {"ms": {k: ms}, "repeats": n}."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, high, (history + max(sizes),), generator=generator).tolist()
+    engine.start(tokens[:history])
+    times: dict[int, list[float]] = {k: [] for k in sizes}
+    one_pass = 0.0
+    for i in range(repeats + 1):  # the first pass warms up
+        if i and not clock.fits(one_pass, f"curve repeats {i}-{repeats}"):
+            break
+        started = time.perf_counter()
+        for k in sizes:
+            sync(device)
+            start = time.perf_counter()
+            engine.step(tokens[history:history + k])
+            sync(device)
+            if i:
+                times[k].append(time.perf_counter() - start)
+            engine.rollback(history)
+        one_pass = time.perf_counter() - started
+    engine.close()
+    if not times[sizes[0]]:
+        raise TimeoutError("no time for one timed pass after the warm-up")
+    return {"ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "repeats": len(times[sizes[0]])}
+
+
+def hf_generate_rate(model: Any, ids: list[int], new_tokens: int, clock: Clock) -> dict:
+    """transformers' eager `generate`, greedy, in-process: decode tokens/s (a short warm-up run first)."""
+    start = time.perf_counter()
+    hf_generate(model, ids, 8)
+    warm = time.perf_counter() - start
+    if not clock.fits(warm * new_tokens / 8 + warm, "hf generate (its warm-up ran)"):
+        raise TimeoutError(f"a warm-up of 8 tokens took {warm:.1f} s: {new_tokens} tokens do not fit")
+    run = speedup.record([(hf_generate(model, ids, new_tokens), None)])
+    return {k: v for k, v in run.items() if k != "token_ids"} | {"token_ids": run["token_ids"]}
+
+
+# ---- specdec through the services -------------------------------------------------------------
+
+def draft_fields(gamma: int) -> dict:
+    return {"proposer": coordinator_pb2.PROPOSER_DRAFT, "num_speculative_tokens": gamma}
+
+
+def methods(gammas: Sequence[int]) -> dict[str, dict]:
+    """name (bench/report.py's) -> the GenerateRequest fields of target-only, the fixed γs, auto."""
+    out = {report.TARGET_ONLY: {"proposer": coordinator_pb2.PROPOSER_NONE}}
+    out.update({f"{report.DRAFT_PREFIX}{g}": draft_fields(g) for g in gammas})
+    out[report.AUTO] = {"proposer": coordinator_pb2.PROPOSER_AUTO}
+    return out
+
+
+@contextlib.contextmanager
+def services(draft: str, target: str, options: SimpleNamespace, live: list) -> Iterator[subprocess.Popen]:
+    """`specdec up` on draft and target (bench/speedup.py's start_services); `live` holds the
+    process while it runs (for the watchdog)."""
+    proc = speedup.start_services(draft, target, options)
+    live.append(proc)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        live.remove(proc)
+
+
+def specdec_runs(stub, ids: list[int], new_tokens: int, chosen: dict[str, dict], settle: int,
+                 clock: Clock) -> dict[str, dict]:
+    """Each method once on `ids` (after a short warm-up of each and `settle` auto runs), in
+    bench/speedup.py's record format, until the clock runs out."""
+    started = time.perf_counter()
+    for fields in chosen.values():  # warm-up: caches, allocators, the coordinator's cost model
+        speedup.run_specdec(stub, ids, min(16, new_tokens), fields)
+    per_token = (time.perf_counter() - started) / (len(chosen) * min(16, new_tokens))
+    for i in range(settle):
+        if clock.fits(2 * per_token * new_tokens, f"settling run {i + 1}"):
+            speedup.run_specdec(stub, ids, new_tokens, chosen[report.AUTO])
+    runs = {}
+    for name, fields in chosen.items():
+        if not clock.fits(2 * per_token * new_tokens, name):
+            continue
+        start = time.perf_counter()
+        runs[name] = speedup.record([speedup.run_specdec(stub, ids, new_tokens, fields)])
+        per_token = max(per_token, (time.perf_counter() - start) / new_tokens)
+    return runs
+
+
+def concurrency_levels(address: str, levels: Sequence[int], new_tokens: int, proc: subprocess.Popen,
+                       clock: Clock) -> list[dict]:
+    """Target-only (γ = 0) at each number of concurrent sessions (bench/concurrency.py's level):
+    aggregate tokens/s and its multiple of one session's."""
+    start = time.perf_counter()
+    concurrency.level(address, 2, 0, 8, proc)  # warm-up
+    per_token = (time.perf_counter() - start) / 16
+    rows = []
+    for sessions in levels:
+        if not clock.fits(2 * per_token * new_tokens * max(1, sessions // 4), f"{sessions} sessions"):
+            continue
+        start = time.perf_counter()
+        row = concurrency.level(address, sessions, 0, new_tokens, proc)
+        per_token = max(per_token, (time.perf_counter() - start) / new_tokens / max(1, sessions // 4))
+        rows.append({k: v for k, v in row.items() if k != "gamma"})
+    one = next((r for r in rows if r["sessions"] == 1), None)
+    for row in rows:
+        row["x_one_session"] = row["tokens_per_second"] / one["tokens_per_second"] if one else None
+    return rows
+
+
+def with_analysis(runs: dict[str, dict]) -> dict:
+    """bench/report.py's analysis of one prompt's runs (speed-ups over target-only, α, c, the
+    bound), the token ids dropped once compared."""
+    summary = report.analyse_prompt(runs) if report.TARGET_ONLY in runs else {}
+    return {"runs": {m: {k: v for k, v in r.items() if k != "token_ids"} for m, r in runs.items()},
+            "summary": summary}
+
