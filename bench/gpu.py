@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -254,6 +255,9 @@ def run_shape(run: Run, name: str) -> None:
     gpu_models.free_device_memory(args.device)
     services_for(run, name, shape, models, ids, big, skip_rest, hf_tokens)
     shape["ratios"] = gpu_report.shape_ratios(shape)
+    if not args.keep_models:  # the next shape's models need the disk
+        shutil.rmtree(root, ignore_errors=True)
+    shape["models_kept_in"] = str(root) if args.keep_models else None
     run.write()
 
 
@@ -376,14 +380,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default=SIZES, help="new tokens per forward of the verification curve")
     parser.add_argument("--repeats", type=int, default=0, help="timed passes of the curve (default 20; quick 5)")
     parser.add_argument("--max-new-tokens", type=int, default=0,
-                        help="tokens per specdec and HF run (default 128; quick 32, 16 on a CPU)")
+                        help="tokens per specdec and HF run (default 64; quick 32, 16 on a CPU)")
     parser.add_argument("--levels", default=LEVELS, help="concurrent sessions, target-only, comma-separated")
     parser.add_argument("--concurrency-tokens", type=int, default=0,
-                        help="tokens per concurrent session (default 64; quick 16, 8 on a CPU)")
-    parser.add_argument("--settle", type=int, default=-1, help="auto runs before the measured ones (default 1; quick 0)")
+                        help="tokens per concurrent session (default 32; quick 16, 8 on a CPU)")
+    parser.add_argument("--settle", type=int, default=-1,
+                        help="auto runs before the measured ones (default 1; quick 0)")
     parser.add_argument("--port", type=int, default=50171, help="the coordinator's (services take the next two; "
                                                                  "the independent draft's set +10)")
     parser.add_argument("--workdir", default="", help="where the models are built (default: the system's temp)")
+    parser.add_argument("--keep-models", action="store_true",
+                        help="keep each shape's models (default: deleted once the shape is measured)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu.json"))
     args = parser.parse_args(argv)
     return resolve(args, parser)
@@ -423,8 +430,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argpar
     quick = args.quick
     args.history = args.history or (128 if quick else 512)
     args.repeats = args.repeats or (5 if quick else 20)
-    args.max_new_tokens = args.max_new_tokens or ((16 if cpu else 32) if quick else 128)
-    args.concurrency_tokens = args.concurrency_tokens or ((8 if cpu else 16) if quick else 64)
+    args.max_new_tokens = args.max_new_tokens or ((16 if cpu else 32) if quick else 64)
+    args.concurrency_tokens = args.concurrency_tokens or ((8 if cpu else 16) if quick else 32)
     args.settle = args.settle if args.settle >= 0 else (0 if quick else 1)
     args.copy_bytes = (64 << 20 if quick else 256 << 20) if cpu else 4 << 30
     if args.deadline_s <= 0:
@@ -453,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": args.device, "dtype": args.dtype, "machine": machine(args.device),
                 "tokenizer": args.tokenizer, "shapes_asked": args.shapes, "backends": args.backends,
-                "service_backend": args.service_backend, "threads": args.threads, "quick": args.quick, "deadline_s": args.deadline_s,
+                "service_backend": args.service_backend, "threads": args.threads, "quick": args.quick,
+                "deadline_s": args.deadline_s,
                 "history": args.history, "sizes": args.sizes, "repeats": args.repeats,
                 "max_new_tokens": args.max_new_tokens, "levels": args.levels,
                 "concurrency_tokens": args.concurrency_tokens, "gammas": list(GAMMAS), "prompt": PROMPT,

@@ -109,6 +109,8 @@ def shape_table(name: str, shape: dict, sizes: list[int]) -> list[str]:
     for section, title in (("selfdraft", "specdec, self-draft"), ("indep", "specdec, independent draft")):
         runs = (shape.get(section) or {}).get("runs") or {}
         for method, run in runs.items():
+            if not method.startswith("specdec "):
+                continue  # the peer (HF generate) is its own line
             stats = run.get("stats") or {}
             lines.append(f"{title + ': ' + method.removeprefix('specdec '):<40} {run['decode_tps']:>9.1f} tok/s "
                          f"{_f(run.get('speedup'), '.2f', 6)}x target-only  α {_f(run.get('alpha'), '.2f', 5)}  "
