@@ -67,7 +67,7 @@ PROMPT = "lru-cache"  # bench/prompts.py's prompt of the specdec and HF runs
 GRACE_S = 30.0  # past the deadline by this much, the watchdog writes what it has and exits
 # a step's weight (its share of the time left, against the weights of the steps still to run) and
 # the least limit worth starting it with, in seconds; a shape over 5 GB weighs WEIGHT_BIG times more
-WEIGHTS = {"bandwidth": (0.2, 1), "build": (1.0, 0), "engine": (1.0, 5), "hf": (0.6, 5),
+WEIGHTS = {"bandwidth": (0.2, 0), "build": (1.0, 0), "engine": (1.0, 5), "hf": (0.6, 5),
            "selfdraft": (3.0, 15), "concurrency": (2.0, 10), "indep": (2.0, 15)}
 WEIGHT_BIG = 1.6
 
@@ -183,7 +183,10 @@ def engine_step(run: Run, shape: dict, models: dict, name: str, held: dict, cloc
                                        args.repeats, high, clock), "details": engine.details}
     if engine.hf_model is not None:
         held["hf_model"] = engine.hf_model  # the peer runs on the very model the torch engine ran
-    gpu_report.engine_ratios(result, shape["roofline"])
+    if "roofline" in shape:
+        gpu_report.engine_ratios(result, shape["roofline"])
+    else:
+        result["decode_ms"] = result["curve"]["ms"].get(1)
     return result
 
 
@@ -220,10 +223,8 @@ def run_shape(run: Run, name: str) -> None:
     if models:
         shape["models"] = {role: dataclasses.asdict(m) for role, m in models.items()}
         bandwidth = run.doc["bandwidth"].get("copy_GBps")
-        if bandwidth:
+        if bandwidth:  # without it the figures stand, without their fractions of the roofline
             shape["roofline"] = gpu_report.roofline(models["target"].weight_bytes, bandwidth)
-        else:
-            skip_rest = "no bandwidth measured: no roofline"
     tokenizer = gpu_models.load_tokenizer(args.tokenizer)
     prompt = next(p for p in PROMPTS if p.name == PROMPT)
     ids = speedup.chat_ids(tokenizer, prompt)

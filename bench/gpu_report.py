@@ -101,7 +101,7 @@ def shape_table(name: str, shape: dict, sizes: list[int]) -> list[str]:
                 lines.append(f"{engine_name:<8} {e.get('status', '')}: {e.get('reason', '')}")
                 continue
             ms = e["curve"]["ms"]
-            lines.append(f"{engine_name:<8} {_f(e['decode_ms'], '.3f', 9)} {_f(e['of_roofline'].get(1), '.1%')}   "
+            lines.append(f"{engine_name:<8} {_f(e['decode_ms'], '.3f', 9)} {_f(e.get('of_roofline', {}).get(1), '.1%')}   "
                          f"{'':<19}" + " ".join(_f(ms.get(k), '.2f', 7) for k in sizes))
     hf = shape.get("hf_generate")
     if hf:
