@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from specdec.errors import InvalidArgument
+from specdec.fields import Field
 
 SENTINEL = "specdec-continuation-sentinel-7d1c"
 
@@ -22,7 +23,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_promp
         return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # the template's own error (jinja raise_exception, bad role, ...)
-        raise InvalidArgument(f"the chat template cannot render these messages: {exc}") from exc
+        raise InvalidArgument(f"the chat template cannot render these messages: {exc}", Field.MESSAGES) from exc
 
 
 def _continuation_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
@@ -36,12 +37,12 @@ def _continuation_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
         raise InvalidArgument(
             "this model's chat template cannot render a continuation turn on its own "
             f"({exc}); send the new turn as a prompt or token_ids, or start a new session "
-            "with the whole conversation") from exc
+            "with the whole conversation", Field.MESSAGES) from exc
     if SENTINEL not in head or not whole.startswith(head):
         raise InvalidArgument(
             "this model's chat template renders a conversation's later turns differently from its "
             "start, so a continuation turn cannot be rendered on its own; send the new turn as a "
-            "prompt or token_ids, or start a new session with the whole conversation")
+            "prompt or token_ids, or start a new session with the whole conversation", Field.MESSAGES)
     return whole[len(head):]
 
 
@@ -50,12 +51,12 @@ def render_messages(tokenizer: Any, messages: Sequence[tuple[str, str]], continu
 
     continuing: the session already holds earlier turns; render only what follows them."""
     if not messages:
-        raise InvalidArgument("messages is empty: give at least one chat message")
+        raise InvalidArgument("messages is empty: give at least one chat message", Field.MESSAGES)
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidArgument("this model's tokenizer has no chat template: send a prompt instead")
+        raise InvalidArgument("this model's tokenizer has no chat template: send a prompt instead", Field.MESSAGES)
     for role, _ in messages:
         if not role:
-            raise InvalidArgument("every chat message needs a role (system, user, assistant)")
+            raise InvalidArgument("every chat message needs a role (system, user, assistant)", Field.MESSAGES)
     dicts = [{"role": role, "content": content} for role, content in messages]
     text = _continuation_text(tokenizer, dicts) if continuing else _render(tokenizer, dicts, True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -20,7 +20,7 @@ from fastapi.exceptions import StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from specdec import errors
+from specdec import errors, fields
 from specdec.rpc.security import bearer_token
 from specdec.types import Proposer, SamplingParams, TokenLogprobs
 
@@ -70,13 +70,20 @@ def error_reply(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
                     # the gRPC trailer's value (specdec.rpc.status), and HTTP's whole seconds
                     headers = {"retry-after-ms": str(int(retry_after_s * 1000)),
                                "retry-after": str(max(1, math.ceil(retry_after_s)))}
-                return status, error_body(str(exc), type_, None, code), headers
+                return status, error_body(str(exc), type_, getattr(exc, "field", None), code), headers
         return 500, error_body(f"a service failed: {exc}", "internal_error", None, "internal"), {}
     if isinstance(exc, StarletteHTTPException):
         return exc.status_code, error_body(str(exc.detail), "invalid_request_error", None, None), {}
     log.exception("OpenAI API: unexpected error", exc_info=exc)
     return 500, error_body("internal error in the coordinator (a bug; see its log)", "internal_error",
                            None, "internal"), {}
+
+
+def http_refusal(exc: errors.InvalidArgument, names: fields.Names) -> ApiError:
+    """A domain refusal of a request's field as the HTTP API words it: the field it sent, named in
+    the message and in `param` (`max_tokens`, not the gRPC API's `max_new_tokens`)."""
+    return ApiError(400, fields.reword(str(exc), names), param=fields.name(exc.field, names),
+                    code="invalid_value")
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -119,9 +126,10 @@ class Completions:
     object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, name: TokenText | None = None):
-        self.name = name  # names tokens in `logprobs`; None: the request asked for none
-        self.sent = 0     # characters of text streamed so far (the origin of text_offset)
+    def __init__(self, model: str, name: TokenText | None = None):
+        self.model = model  # the served name the request used, echoed in `model`
+        self.name = name    # names tokens in `logprobs`; None: the request asked for none
+        self.sent = 0       # characters of text streamed so far (the origin of text_offset)
 
     def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict[str, Any] | None:
         return None if self.name is None else completion_logprobs(entries, self.name, offset)
@@ -169,9 +177,10 @@ class OpenAIApi:
     """The handlers: each reads its body, builds a GenerationRequest, and shapes what the engine
     yields as OpenAI does."""
 
-    def __init__(self, engine: Engine, api_key: str | None, max_body_bytes: int):
+    def __init__(self, engine: Engine, api_key: str | None, max_body_bytes: int,
+                 served_names: tuple[str, ...]):
         self.engine = engine
-        self.model_id = engine.target_info.model_id
+        self.served_names = served_names  # what requests may name as their model; the first is the default
         self.api_key = api_key.encode("ascii") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = now()
@@ -217,17 +226,21 @@ class OpenAIApi:
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
         try:
-            parsed = kind.model_validate(data)
+            parsed = kind.model_validate(data, strict=True)  # as OpenAI's API: "4" is not a number
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
-            raise ApiError(400, f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None,
-                           code="invalid_value") from None
+            got = first.get("input")
+            sent = json.dumps(got) if isinstance(got, (str, int, float, bool)) else ""
+            sent = f", got {sent}" if sent and len(sent) <= 80 else ""
+            raise ApiError(400, f"{where}: {first['msg']}{sent}",
+                           param=str(first["loc"][0]) if first["loc"] else None, code="invalid_value") from None
         if parsed.model_extra:
             log.info("OpenAI API: ignored unknown fields %s", ", ".join(sorted(parsed.model_extra)))
-        if parsed.model != self.model_id:
+        if parsed.model not in self.served_names:
             raise ApiError(404, f"model {parsed.model!r} is not served here; this coordinator serves "
-                           f"{self.model_id!r} (GET /v1/models)", param="model", code="model_not_found")
+                           f"{' or '.join(map(repr, self.served_names))} (GET /v1/models; the coordinator's "
+                           f"--served-model-name)", param="model", code="model_not_found")
         unsupported = parsed.unsupported()
         if unsupported:
             raise ApiError(400, f"{unsupported} is not supported yet: leave it unset "
@@ -279,7 +292,16 @@ class OpenAIApi:
     # ---- the response --------------------------------------------------------------------------
 
     async def run(self, http: Request, request: GenerationRequest, shape: Completions, stream: bool,
-                  include_usage: bool) -> Response:
+                  include_usage: bool, names: fields.Names) -> Response:
+        """The generation as one response or as events, its refusals worded with the endpoint's
+        field `names`."""
+        try:
+            return await self.generate(http, request, shape, stream, include_usage)
+        except errors.InvalidArgument as exc:
+            raise http_refusal(exc, names) from None
+
+    async def generate(self, http: Request, request: GenerationRequest, shape: Completions, stream: bool,
+                       include_usage: bool) -> Response:
         """The generation as one response or as events. Until the response begins, a client that
         goes away cancels the generation (its committed tokens stay), as a cancelled gRPC call does."""
         chunks = self.engine.generate(request)
@@ -310,7 +332,7 @@ class OpenAIApi:
         assert last is not None  # the engine's last chunk carries the finish reason
         stats = last.stats or GenerationStats()
         return JSONResponse({
-            "id": new_id(shape.id_prefix), "object": shape.object, "created": now(), "model": self.model_id,
+            "id": new_id(shape.id_prefix), "object": shape.object, "created": now(), "model": shape.model,
             "choices": [shape.response_choice(text, FINISH_REASONS.get(last.finish_reason), entries)],
             "usage": usage(stats), "specdec": specdec_object(last.session_id, stats)})
 
@@ -320,7 +342,7 @@ class OpenAIApi:
         engine's generator with it: the generation stops and its committed tokens stay."""
         head = {"id": new_id(shape.id_prefix), "object": shape.object + ("" if shape.object.startswith("text")
                                                                           else ".chunk"),
-                "created": now(), "model": self.model_id}
+                "created": now(), "model": shape.model}
         try:
             chunk, opened, last = first, False, first
             while chunk is not None:
@@ -348,24 +370,25 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> dict[str, Any]:
         self.authorize(request)
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
-                                            "owned_by": "specdec",
-                                            "max_model_len": self.engine.context_length}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
+                                            "owned_by": "specdec", "max_model_len": self.engine.context_length}
+                                           for name in self.served_names]}
 
     async def completions(self, request: Request) -> Response:
         self.authorize(request)
         body = await self.body(request, CompletionRequest)
         generation = self.generation(body, body.max_tokens, **self.prompt_input(body.prompt))
-        return await self.run(request, generation, Completions(self.names(body)), body.stream,
-                              _include_usage(body))
+        return await self.run(request, generation, Completions(body.model, self.names(body)), body.stream,
+                              _include_usage(body), fields.HTTP_COMPLETIONS)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
         body = await self.body(request, ChatCompletionRequest)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         generation = self.generation(body, max_tokens, **self.messages_input(body.messages))
-        return await self.run(request, generation, ChatCompletions(self.names(body)), body.stream,
-                              _include_usage(body))
+        names = fields.HTTP_CHAT if body.max_completion_tokens is None else fields.HTTP_CHAT_COMPLETION_TOKENS
+        return await self.run(request, generation, ChatCompletions(body.model, self.names(body)), body.stream,
+                              _include_usage(body), names)
 
     def names(self, body: SpecdecFields) -> TokenText | None:
         """What names the tokens of the response's logprobs (None: the request asked for none)."""
@@ -403,9 +426,10 @@ def _include_usage(body: SpecdecFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def create_app(engine: Engine, api_key: str | None, max_body_bytes: int) -> FastAPI:
-    """The FastAPI app of the OpenAI-compatible API over `engine`."""
-    api = OpenAIApi(engine, api_key, max_body_bytes)
+def create_app(engine: Engine, api_key: str | None, max_body_bytes: int,
+               served_names: tuple[str, ...]) -> FastAPI:
+    """The FastAPI app of the OpenAI-compatible API over `engine`, answering to `served_names`."""
+    api = OpenAIApi(engine, api_key, max_body_bytes, served_names)
     app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     routes: list[tuple[str, Callable, str]] = [
         ("/health", api.health, "GET"), ("/v1/models", api.models, "GET"),

@@ -8,6 +8,7 @@ refused with a message naming them (`unsupported`), not silently ignored.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specdec.config import names_of
 from specdec.types import MAX_TOP_LOGPROBS, TokenLogprobs
 
 from coordinator.rounds import FinishReason
@@ -31,6 +33,22 @@ FINISH_REASONS = {
 }
 
 
+def default_model_name(model_id: str) -> str:
+    """The name a model is served under by default: a hub id ("Qwen/Qwen2.5-0.5B") as it is, a
+    path (a directory, a .gguf file) by its base name less .gguf: never a file system path."""
+    is_path = (os.path.isabs(model_id) or model_id.startswith((".", "~")) or model_id.count("/") > 1
+               or model_id.endswith(".gguf"))
+    if not is_path:
+        return model_id
+    base = os.path.basename(model_id.rstrip("/")) or model_id
+    return base.removesuffix(".gguf") or base
+
+
+def served_model_names(configured: str, model_id: str) -> tuple[str, ...]:
+    """The names the API answers to (--served-model-name, comma-separated), else the default."""
+    return names_of(configured) or (default_model_name(model_id),)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -42,7 +60,7 @@ class SpecdecFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str                                   # must be the served model id (GET /v1/models)
+    model: str                                   # one of the served names (GET /v1/models)
     max_tokens: int | None = None                # None: the coordinator's --default-max-new-tokens
     temperature: float | None = None             # None: 1.0; 0 is greedy
     top_p: float | None = None                   # None: 1.0 (off)

@@ -11,6 +11,7 @@ from typing import Any
 
 from specdec.config import CoordinatorConfig
 from specdec.errors import InvalidArgument
+from specdec.fields import Field
 from specdec.types import Proposer, SamplingParams, check_top_logprobs
 
 from coordinator.chat import render_messages
@@ -55,26 +56,28 @@ def request_limits(request: GenerationRequest, config: CoordinatorConfig,
     if max_new is None:
         max_new = config.default_max_new_tokens
     if not 1 <= max_new <= config.max_new_tokens_limit:
-        raise InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
+        raise InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}",
+                              Field.MAX_NEW_TOKENS)
     gamma = request.num_speculative_tokens  # None: adaptive
     if gamma is not None and not 0 <= gamma <= max_gamma:
         raise InvalidArgument(
             f"num_speculative_tokens must be in [0, {max_gamma}] (0 disables speculation; "
-            f"leave it unset for adaptive γ), got {gamma}")
+            f"leave it unset for adaptive γ), got {gamma}", Field.NUM_SPECULATIVE_TOKENS)
     name = request.proposer or config.default_proposer
     if name not in tuple(Proposer):
         raise InvalidArgument(
             f"proposer must be one of {', '.join(Proposer)} (PROPOSER_AUTO, PROPOSER_DRAFT, "
-            f"PROPOSER_NGRAM, PROPOSER_NONE), got {name!r}")
+            f"PROPOSER_NGRAM, PROPOSER_NONE), got {name!r}", Field.PROPOSER)
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
-                              f"got {len(request.cache_salt)}")
+                              f"got {len(request.cache_salt)}", Field.CACHE_SALT)
     check_top_logprobs(request.top_logprobs)
     if not 0 <= request.tree_nodes <= max_gamma:
         raise InvalidArgument(f"tree_nodes must be in [0, {max_gamma}] (0: the coordinator's --trees, 1: chains; "
-                              f"the nodes a draft-model round proposes as a tree), got {request.tree_nodes}")
+                              f"the nodes a draft-model round proposes as a tree), got {request.tree_nodes}",
+                              Field.TREE_NODES)
     if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", Field.STOP)
     return max_new, SpeculationMode(Proposer(name), gamma)
 
 
@@ -91,41 +94,49 @@ class InputEncoder:
         """The request's input as token ids (possibly empty when continuing)."""
         if request.prompt is not None:
             if not request.prompt and not continuing:
-                raise InvalidArgument("prompt is empty: give some text, token_ids or messages")
+                raise InvalidArgument("prompt is empty: give some text", Field.PROMPT)
             return list(self.tokenizer(request.prompt, add_special_tokens=not continuing)["input_ids"])
         if request.messages is not None:
             return render_messages(self.tokenizer, request.messages, continuing)
         if request.token_ids is not None:
             ids = list(request.token_ids)
             if not ids and not continuing:
-                raise InvalidArgument("token_ids is empty: give at least one token")
+                raise InvalidArgument("token_ids is empty: give at least one token", Field.TOKEN_IDS)
             return ids
         if not continuing:
-            raise InvalidArgument("no input: set prompt, token_ids or messages")
+            raise InvalidArgument("no input: set prompt, token_ids or messages", Field.PROMPT)
         return []
 
-    def check_ids(self, ids: list[int]) -> list[int]:
+    @staticmethod
+    def field(request: GenerationRequest) -> Field:
+        """The field that holds the request's input (prompt when it has none)."""
+        if request.token_ids is not None:
+            return Field.TOKEN_IDS
+        return Field.MESSAGES if request.messages is not None else Field.PROMPT
+
+    def check_ids(self, ids: list[int], field: Field) -> list[int]:
         """Every input id must be one both models can take (a text prompt can encode to an added
         token past a model's embedding): refused before anything is committed."""
         bad = [t for t in ids if not 0 <= t < self.vocab_limit]
         if bad:
             raise InvalidArgument(f"the input holds token ids outside the vocabulary both models share "
-                                  f"[0, {self.vocab_limit}): {bad[:5]}")
+                                  f"[0, {self.vocab_limit}): {bad[:5]}", field)
         return ids
 
-    def check_length(self, committed: int, added: int) -> None:
-        """A session of `committed` tokens may take `added` more."""
+    def check_length(self, committed: int, added: int, field: Field = Field.PROMPT) -> None:
+        """A session of `committed` tokens may take `added` more (from `field`)."""
         if added > self.max_prompt_tokens:
             raise InvalidArgument(
-                f"prompt is {added} tokens; the limit is {self.max_prompt_tokens} "
-                f"(model context {self.context_length})")
+                f"{field} is {added} tokens; the limit is {self.max_prompt_tokens} "
+                f"(model context {self.context_length})", field)
         if committed + added >= self.context_length:
             raise InvalidArgument(
-                f"session holds {committed} tokens; adding {added} leaves no room in the model "
-                f"context of {self.context_length} tokens: start a new session")
+                f"session holds {committed} tokens; adding {added} of {field} leaves no room in the model "
+                f"context of {self.context_length} tokens: start a new session", field)
 
     def input_ids(self, request: GenerationRequest, committed: int) -> list[int]:
         """The request's checked input for a session holding `committed` tokens."""
-        added = self.check_ids(self.encode(request, continuing=committed > 0))
-        self.check_length(committed, len(added))
+        field = self.field(request)
+        added = self.check_ids(self.encode(request, continuing=committed > 0), field)
+        self.check_length(committed, len(added), field)
         return added

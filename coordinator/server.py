@@ -29,6 +29,7 @@ from coordinator.clients import DraftClient, ServiceClient, TargetClient
 from coordinator.discovery import DiscoveryError, from_config as discovery_from_config
 from coordinator.engine import Engine
 from coordinator.openai_api import create_app
+from coordinator.openai_protocol import served_model_names
 from coordinator.routing import ReplicaPool, Routes
 from coordinator.servicer import CoordinatorServicer
 from coordinator.stores import open_store
@@ -153,7 +154,9 @@ class HttpApiServer:
         tls = bool(config.tls_cert_file and config.tls_key_file)  # as the gRPC port (Security checked it)
         mutual = tls and bool(config.tls_client_ca_file)
         settings = uvicorn.Config(
-            create_app(engine, api_key, config.http_max_body_bytes), lifespan="off", log_level="warning",
+            create_app(engine, api_key, config.http_max_body_bytes,
+                       served_model_names(config.served_model_name, engine.target_info.model_id)),
+            lifespan="off", log_level="warning",
             access_log=False, ssl_certfile=config.tls_cert_file if tls else None,
             ssl_keyfile=config.tls_key_file if tls else None,
             ssl_ca_certs=config.tls_client_ca_file if mutual else None,
@@ -189,6 +192,11 @@ class RunningCoordinator:
     engine: Engine
     metrics_server: MetricsServer | None = None
     http: HttpApiServer | None = None  # the OpenAI-compatible API (--http-port), None when off
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The model names the HTTP API answers to (--served-model-name, else the target's)."""
+        return served_model_names(self.engine.config.served_model_name, self.engine.target_info.model_id)
 
     @property
     def http_port(self) -> int | None:

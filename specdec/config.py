@@ -28,9 +28,10 @@ def choices_of(names: type[StrEnum]) -> tuple[str, ...]:
     return tuple(member.value for member in names)
 
 
-def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with its help text (and optional choices)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, many: bool = False) -> Any:
+    """A config field with its help text (and optional choices). many: the flag takes one or more
+    values (`--flag a b`), kept comma-separated as the environment variable spells them."""
+    return field(default=default, metadata={"help": help, "choices": choices, "many": many})
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,12 @@ class ModelServiceConfig(ServerTlsConfig):
     model: str = opt("", "model directory, hub id or .gguf file (required)")
     backend: str = opt("auto", "engine: llama.cpp (a .gguf file, served quantised as it is, through "
                        "llama-cpp-python), torch (transformers: a directory, a hub id, or a .gguf file "
-                       "dequantised to --dtype), or auto (llama.cpp for a .gguf file when llama-cpp-python "
-                       "is installed, else torch)", choices_of(Backend))
-    dtype: str = opt("bfloat16", "weight dtype (torch backend)", DTYPES)
+                       "dequantised to --dtype), graph (Llama / Qwen2 / Mistral checkpoints on specdec's "
+                       "static-shape model over a paged K/V pool of --kv-cache-bytes, CUDA graphs captured "
+                       "at start on CUDA), or auto (llama.cpp for a .gguf file when llama-cpp-python is "
+                       "installed, graph on CUDA for the architectures it covers, else torch)",
+                       choices_of(Backend))
+    dtype: str = opt("bfloat16", "weight dtype (torch and graph backends)", DTYPES)
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ... (llama.cpp: cpu, or any other value to "
                       "offload every layer to the GPU llama-cpp-python was built for)")
     threads: int = opt(0, "CPU threads of the model (0 = the backend's default: torch's own, or every core "
@@ -64,12 +68,14 @@ class ModelServiceConfig(ServerTlsConfig):
     port: int = opt(0, "port to listen on (0 = the service default)")
     metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)")
     max_sessions: int = opt(256, "most sessions whose KV cache is kept (LRU beyond)")
-    kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond)")
+    kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond); the graph "
+                              "backend allocates its pool of this size at start (at most what "
+                              "--max-sessions sessions of the full context take)")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
     kv_store: str = opt("", "shared store of K/V chunks: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for "
                         "TLS), memory:// (this process only), or empty (off). A session this replica "
                         "lacks, and a new session's prompt, load the chunks found there instead of "
-                        "prefilling them (torch backend with K/V buffers)")
+                        "prefilling them (torch backend with K/V buffers, graph backend)")
     kv_store_ttl_s: float = opt(3600.0, "seconds a K/V chunk is kept in --kv-store after its last write")
     kv_chunk_tokens: int = opt(256, "tokens per K/V chunk of the prefix cache and --kv-store (the same on "
                                "every replica of a model: keys depend on it)")
@@ -212,8 +218,23 @@ class CoordinatorConfig(ServerTlsConfig):
     http_port: int = opt(0, "OpenAI-compatible HTTP API port: /v1/completions, /v1/chat/completions, "
                          "/v1/models, /health, on --host with the TLS and API key of the gRPC port "
                          "(0 = off; -1 = any free port)")
+    served_model_name: str = opt("", "the model name(s) the OpenAI-compatible API answers to and GET "
+                                 "/v1/models lists, the first in responses unless a request names "
+                                 "another (default: the target's model: a hub id as it is, a path's "
+                                 "base name less .gguf); several: space-separated after the flag, "
+                                 "comma-separated in the environment", many=True)
     http_max_body_bytes: int = opt(1 << 20, "largest HTTP request body the OpenAI-compatible API accepts "
                                    "(larger ones get 413)")
+
+
+def names_of(value: str) -> tuple[str, ...]:
+    """The values of a field of several (opt's many): comma-separated, blanks dropped."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def help_of(cls: type, name: str) -> str:
+    """The help text of one field of `cls` (a command that passes the field on to a service)."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _flag(name: str) -> str:
@@ -248,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str) -> No
             parser.add_argument(_flag(f.name), dest=f.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(_flag(f.name), dest=f.name, default=None,
+            parser.add_argument(_flag(f.name), dest=f.name, default=None, nargs="+" if f.metadata.get("many") else None,
                                 choices=f.metadata.get("choices"), help=help_text)
 
 
@@ -269,6 +290,8 @@ def from_sources(cls: type[C], prefix: str, args: Mapping[str, Any] | None = Non
             raw, source = env[env_name(prefix, f.name)], env_name(prefix, f.name)
         if raw is None:
             continue
+        if isinstance(raw, list):  # a flag of several values (opt's many)
+            raw = ",".join(raw)
         try:
             values[f.name] = raw if isinstance(raw, bool) else _convert(kind, str(raw))
         except ValueError as exc:

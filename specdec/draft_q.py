@@ -46,6 +46,24 @@ class DraftQ:
         return cls(tuple(ids_out), tuple(probs_out),
                    torch.tensor(of_drafts, dtype=torch.float32, device=device))
 
+    def to(self, device: torch.device | str) -> "DraftQ":
+        """The same rows on `device`; on a GPU copied from pinned memory without blocking the host
+        (the target validates q on its event loop, on the host, and moves it on the model thread)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda":
+                return tensor.pin_memory().to(device, non_blocking=True)
+            return tensor.to(device)
+        return DraftQ(tuple(move(t) for t in self.ids), tuple(move(t) for t in self.probs), move(self.of_drafts))
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> "DraftQ":
+        """No drafts (a target-only round): nothing to check, no host synchronisation."""
+        return cls((), (), torch.zeros(0, dtype=torch.float32, device=device))
+
     @classmethod
     def from_dense(cls, q: torch.Tensor, drafts: Sequence[int]) -> "DraftQ":
         """From dense rows q [γ, vocab] (tests and hand-built examples); zeros are dropped."""

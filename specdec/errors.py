@@ -8,7 +8,12 @@ class SpecdecError(Exception):
 
 
 class InvalidArgument(SpecdecError):
-    """The request is malformed or out of range."""
+    """The request is malformed or out of range. field: the request field at fault, as the domain
+    names it (specdec.fields.Field), when it is one; the message names it the same way."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)
 
 
 class NotFound(SpecdecError):

@@ -6,8 +6,9 @@ registry state, so several services or tests can live in one process) served on
 the prefix ``specdec_``; counters are exposed with the ``_total`` suffix
 (``specdec_num_drafts_total``), histograms with ``_bucket`` / ``_sum`` / ``_count``.
 
-A service records only what it sees: the coordinator rounds, γ and requests; the draft and
-target their stage latency, batch sizes and caches.
+A service records and exports only what it sees (FAMILIES): the coordinator rounds, γ and
+requests; the draft and target their stage latency, batch sizes and caches. docs/operations.md's
+metrics table says the same, checked against live services by tests/test_metrics_e2e.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 from specdec.types import Proposer
 
@@ -44,6 +46,30 @@ KV_CHUNK_GAUGES = {
     "specdec_kv_store_up": "1 while the KV store answers, 0 while reads skip it",
     "specdec_kv_prefix_cache_bytes": "bytes held by this replica's prefix cache",
 }
+
+MODEL_SERVICES = ("draft", "target")
+# the metric families each service exports (the K/V chunk ones come from its K/V tier, when it has one)
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "specdec_service": SERVICES,
+    "specdec_requests": SERVICES,
+    "specdec_round_latency_seconds": SERVICES,
+    "specdec_num_drafts": ("coordinator",),
+    "specdec_num_draft_tokens": ("coordinator",),
+    "specdec_num_accepted_tokens": ("coordinator",),
+    "specdec_num_accepted_tokens_per_pos": ("coordinator",),
+    "specdec_num_tree_drafts": ("coordinator",),
+    "specdec_num_tree_draft_tokens": ("coordinator",),
+    "specdec_num_tree_accepted_tokens_per_depth": ("coordinator",),
+    "specdec_tree_tokens_per_round": ("coordinator",),
+    "specdec_tokens_per_round": ("coordinator",),
+    "specdec_num_speculative_tokens": ("coordinator",),
+    "specdec_active_sessions": ("coordinator",),
+    "specdec_batch_size": MODEL_SERVICES,
+    "specdec_cached_sessions": MODEL_SERVICES,
+    "specdec_kv_cache_bytes": MODEL_SERVICES,
+    "specdec_queue_depth": MODEL_SERVICES,
+}
+KV_STORE_PREFIX = "specdec_kv_store_"  # K/V chunk families of the KV store: exported only with one
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
@@ -75,53 +101,58 @@ class Metrics:
         if service not in SERVICES:
             raise ValueError(f"service must be one of {', '.join(SERVICES)}, got {service!r}")
         self.service = service
-        self.registry = r = CollectorRegistry()
-        Info("specdec_service", "the service exposing these metrics", registry=r).info(
-            {"service": service, "version": version or _version()})
+        self.registry = CollectorRegistry()
+        # every family is built (recording is the same call in every service); only the
+        # service's own are registered, so /metrics shows nothing stuck at 0 (FAMILIES)
+        self.service_info = Info("specdec_service", "the service exposing these metrics", registry=None)
+        self.service_info.info({"service": service, "version": version or _version()})
         by_proposer = ["proposer"]
         self.num_drafts = Counter("specdec_num_drafts", "rounds that proposed at least one token",
-                                  by_proposer, registry=r)
+                                  by_proposer, registry=None)
         self.num_draft_tokens = Counter("specdec_num_draft_tokens", "tokens proposed",
-                                        by_proposer, registry=r)
+                                        by_proposer, registry=None)
         self.num_accepted_tokens = Counter("specdec_num_accepted_tokens",
                                            "proposed tokens the target accepted", by_proposer,
-                                           registry=r)
+                                           registry=None)
         self.num_accepted_tokens_per_pos = Counter(
             "specdec_num_accepted_tokens_per_pos",
             "accepted proposals by position in the round (0 = the first proposed token)",
-            ["proposer", "position"], registry=r)
+            ["proposer", "position"], registry=None)
         self.num_tree_drafts = Counter("specdec_num_tree_drafts", "draft-model rounds that proposed a token tree",
-                                       registry=r)
+                                       registry=None)
         self.num_tree_draft_tokens = Counter("specdec_num_tree_draft_tokens", "nodes of the token trees proposed",
-                                             registry=r)
+                                             registry=None)
         self.num_tree_accepted_tokens_per_depth = Counter(
             "specdec_num_tree_accepted_tokens_per_depth",
-            "tree rounds whose accepted path reached this depth (1 = the root's child)", ["depth"], registry=r)
+            "tree rounds whose accepted path reached this depth (1 = the root's child)", ["depth"], registry=None)
         self.tree_tokens_per_round = Histogram("specdec_tree_tokens_per_round",
                                                "tokens a tree round committed per target pass (path + 1)",
-                                               buckets=TOKEN_BUCKETS, registry=r)
+                                               buckets=TOKEN_BUCKETS, registry=None)
         self.requests = Counter("specdec_requests", "finished gRPC calls by method and status code",
-                                ["method", "code"], registry=r)
+                                ["method", "code"], registry=None)
         self.round_latency = Histogram("specdec_round_latency_seconds",
                                        "time a round spent per stage", ["stage"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
+                                       buckets=LATENCY_BUCKETS, registry=None)
         self.batch_size = Histogram("specdec_batch_size", "sessions per model forward pass",
-                                    buckets=BATCH_BUCKETS, registry=r)
+                                    buckets=BATCH_BUCKETS, registry=None)
         self.tokens_per_round = Histogram("specdec_tokens_per_round",
                                           "tokens committed per round (accepted + 1)",
-                                          by_proposer, buckets=TOKEN_BUCKETS, registry=r)
+                                          by_proposer, buckets=TOKEN_BUCKETS, registry=None)
         self.num_speculative_tokens = Histogram("specdec_num_speculative_tokens",
                                                 "γ chosen per round", by_proposer,
-                                                buckets=TOKEN_BUCKETS, registry=r)
+                                                buckets=TOKEN_BUCKETS, registry=None)
         self.active_sessions = Gauge("specdec_active_sessions", "requests being served now",
-                                     registry=r)
+                                     registry=None)
         self.cached_sessions = Gauge("specdec_cached_sessions", "sessions whose KV cache is held",
-                                     registry=r)
+                                     registry=None)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "bytes held by KV caches",
-                                    registry=r)
+                                    registry=None)
         self.queue_depth = Gauge("specdec_queue_depth", "calls waiting for a batch slot",
-                                 registry=r)
+                                 registry=None)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see _child
+        for metric in list(vars(self).values()):
+            if isinstance(metric, MetricWrapperBase) and service in FAMILIES[metric.describe()[0].name]:
+                self.registry.register(metric)
 
     def record_round(self, proposer: Proposer | str, gamma: int, accepted: int,
                      stage_seconds: Mapping[str, float] | None = None, tree: bool = False) -> None:
@@ -217,6 +248,8 @@ class _KVChunkCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         values = self.read()
+        with_store = "specdec_kv_store_up" in values  # the K/V tier has a KV store (--kv-store)
+        values = {name: v for name, v in values.items() if with_store or not name.startswith(KV_STORE_PREFIX)}
         for name, help_text in KV_CHUNK_COUNTERS.items():
             if name in values:
                 yield CounterMetricFamily(name, help_text, value=float(values[name]))

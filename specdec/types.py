@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from specdec.cores import CpuPlacement
 from specdec.errors import InvalidArgument
+from specdec.fields import Field
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
@@ -64,9 +65,12 @@ class Quantization(StrEnum):
 class Backend(StrEnum):
     """The engine a model service runs its model on (--backend)."""
 
-    AUTO = "auto"            # LLAMA_CPP for a .gguf file when llama-cpp-python is installed, else TORCH
+    AUTO = "auto"            # LLAMA_CPP for a .gguf file when llama-cpp-python is installed; GRAPH on
+                             # CUDA for the architectures it covers; else TORCH
     TORCH = "torch"          # transformers on torch: a directory, a hub id or a .gguf file (dequantised)
     LLAMA_CPP = "llama.cpp"  # llama.cpp through llama-cpp-python: a .gguf file, served as quantised
+    GRAPH = "graph"          # specdec's static-shape Llama / Qwen2 / Mistral over a paged K/V pool,
+                             # CUDA graphs captured at start on CUDA (specdec/runtime/graph/)
 
 
 class KVCacheType(StrEnum):
@@ -111,12 +115,13 @@ class SamplingParams:
         """Raise InvalidArgument with an actionable message for out-of-range values."""
         if not 0.0 <= self.temperature <= FLOAT32_MAX:
             raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy) that a float32 holds "
-                                  f"(at most {FLOAT32_MAX:.4g}), got {self.temperature}")
+                                  f"(at most {FLOAT32_MAX:.4g}), got {self.temperature}", Field.TEMPERATURE)
         if not 0 <= self.top_k <= INT32_MAX:
-            raise InvalidArgument(f"top_k must be in [0, {INT32_MAX}] (0 disables top-k), got {self.top_k}")
+            raise InvalidArgument(f"top_k must be in [0, {INT32_MAX}] (0 disables top-k), got {self.top_k}",
+                                  Field.TOP_K)
         if not (FLOAT32_TINY <= self.top_p <= 1.0):
             raise InvalidArgument(f"top_p must be in (0, 1] (1 disables top-p) and at least {FLOAT32_TINY:.3g} "
-                                  f"(a float32 holds nothing smaller), got {self.top_p}")
+                                  f"(a float32 holds nothing smaller), got {self.top_p}", Field.TOP_P)
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,7 @@ def check_top_logprobs(top: int | None) -> None:
     """None (no log-probabilities) or 0..MAX_TOP_LOGPROBS alternatives per token."""
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0: only the emitted "
-                              f"token's log-probability), got {top}")
+                              f"token's log-probability), got {top}", Field.TOP_LOGPROBS)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from specdec.fields import CLI, reword
 from specdec.types import Proposer
 
 from specdec_cli.env import DEFAULT_PORT, env_default
@@ -123,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
         except grpc.RpcError as exc:
-            print(f"\nspecdec generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            # the coordinator names the gRPC API's fields (session_id); this command, its flags (--session)
+            print(f"\nspecdec generate: {exc.code().name}: {reword(exc.details() or '', CLI)}", file=sys.stderr)
             return 2
     print_outcome(args, last, token_ids, "".join(text))
     return 0

@@ -9,10 +9,10 @@ import sys
 import time
 from typing import Any, Sequence
 
-from specdec.config import DTYPES, choices_of
+from specdec.config import DTYPES, CoordinatorConfig, choices_of, help_of
 from specdec.types import Backend, Quantization
 
-from specdec_cli import generate
+from specdec_cli import generate, ports
 from specdec_cli.env import DEFAULT_HTTP_PORT, DEFAULT_PORT, env_default
 
 SERVE = [sys.executable, "-m", "specdec_cli", "serve"]  # how a child runs its service
@@ -41,10 +41,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "(rediss:// for TLS) where they keep K/V chunks of sessions' history; "
                          "empty = off (env SPECDEC_UP_KV_STORE)")
     up.add_argument("--port", type=int, default=env_default("up", "port", DEFAULT_PORT),
-                    help="coordinator port; draft and target take the next two (env SPECDEC_UP_PORT)")
+                    help="coordinator port; draft and target take the next two unless --draft-port / "
+                         "--target-port say otherwise (env SPECDEC_UP_PORT)")
+    up.add_argument("--draft-port", type=int, default=env_default("up", "draft_port", 0),
+                    help="the draft service's port; 0 = --port + 1 (env SPECDEC_UP_DRAFT_PORT)")
+    up.add_argument("--target-port", type=int, default=env_default("up", "target_port", 0),
+                    help="the target service's port; 0 = --port + 2 (env SPECDEC_UP_TARGET_PORT)")
     up.add_argument("--http-port", type=int, default=env_default("up", "http_port", DEFAULT_HTTP_PORT),
                     help="the coordinator's OpenAI-compatible HTTP API port (/v1/completions, "
-                         "/v1/chat/completions, /v1/models); 0 = off (env SPECDEC_UP_HTTP_PORT)")
+                         "/v1/chat/completions, /v1/models); 0 = off; not bound with --prompt "
+                         "(env SPECDEC_UP_HTTP_PORT)")
+    up.add_argument("--served-model-name", nargs="+", default=env_default("up", "served_model_name", None),
+                    help=f"the coordinator's: {help_of(CoordinatorConfig, 'served_model_name')} "
+                         "(env SPECDEC_UP_SERVED_MODEL_NAME, comma-separated)")
+    up.add_argument("--metrics-port", type=int, default=env_default("up", "metrics_port", 0),
+                    help="Prometheus /metrics of the coordinator on this port, of the draft and the target "
+                         "on the next two (docs/operations.md#metrics); 0 = off (env SPECDEC_UP_METRICS_PORT)")
+    up.add_argument("--session-store", default=env_default("up", "session_store", "memory"),
+                    help=f"the coordinator's {help_of(CoordinatorConfig, 'session_store')} "
+                         "(env SPECDEC_UP_SESSION_STORE)")
+    up.add_argument("--api-key-file", default=env_default("up", "api_key_file", ""),
+                    help=f"the coordinator's {help_of(CoordinatorConfig, 'api_key_file')}, on the gRPC and "
+                         "the HTTP API; --prompt sends it (env SPECDEC_UP_API_KEY_FILE)")
     up.add_argument("--startup-timeout", type=float, default=env_default("up", "startup_timeout", 600.0),
                     help="seconds to wait for each service (env SPECDEC_UP_STARTUP_TIMEOUT)")
     up.add_argument("--prompt", default=env_default("up", "prompt", None),
@@ -74,20 +92,65 @@ def models_of(args: argparse.Namespace) -> tuple[str, str]:
     return draft_model, target_model
 
 
+SERVICES = ("coordinator", "draft", "target")
+
+
+def service_ports(args: argparse.Namespace) -> dict[str, int]:
+    """The gRPC port of each service."""
+    return {"coordinator": args.port, "draft": args.draft_port or args.port + 1,
+            "target": args.target_port or args.port + 2}
+
+
+def http_port(args: argparse.Namespace) -> int:
+    """The HTTP API's port; 0 (off) for a one-shot --prompt run, which serves nobody."""
+    return 0 if args.prompt is not None else args.http_port
+
+
+def metrics_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Each service's /metrics port: --metrics-port and the next two (0: off)."""
+    return {name: args.metrics_port + i if args.metrics_port else 0 for i, name in enumerate(SERVICES)}
+
+
+def bindings(args: argparse.Namespace) -> list[ports.Binding]:
+    """Every port the services will listen on, with the flag that moves it."""
+    grpc_ports = service_ports(args)
+    out = [ports.Binding(grpc_ports["coordinator"], "the coordinator's gRPC API", "--port"),
+           ports.Binding(grpc_ports["draft"], "the draft service's gRPC API", "--draft-port"),
+           ports.Binding(grpc_ports["target"], "the target service's gRPC API", "--target-port")]
+    if http_port(args) > 0:
+        out.append(ports.Binding(http_port(args), "the OpenAI-compatible HTTP API", "--http-port"))
+    for i, (name, port) in enumerate(metrics_ports(args).items()):
+        if port:
+            plus = f" (--metrics-port + {i})" if i else ""
+            out.append(ports.Binding(port, f"the {name}'s /metrics{plus}", "--metrics-port"))
+    return out
+
+
 def commands(args: argparse.Namespace, draft_model: str, target_model: str,
              addresses: dict[str, str]) -> dict[str, list[str]]:
     """The `specdec serve ...` command line of each child."""
-    port = args.port
+    grpc_ports, metrics = service_ports(args), metrics_ports(args)
     kv_store = ["--kv-store", args.kv_store] if args.kv_store else []
+    names = ["--served-model-name", *served_names(args)] if served_names(args) else []
+    api_key = ["--api-key-file", args.api_key_file] if args.api_key_file else []
     return {
         "draft": SERVE + ["draft", "--model", draft_model, "--backend", args.backend, "--dtype", args.dtype,
-                          "--device", args.device, "--port", str(port + 1), "--quantize", args.draft_quantize,
-                          *kv_store],
+                          "--device", args.device, "--port", str(grpc_ports["draft"]), "--quantize",
+                          args.draft_quantize, "--metrics-port", str(metrics["draft"]), *kv_store],
         "target": SERVE + ["target", "--model", target_model, "--backend", args.backend, "--dtype", args.dtype,
-                           "--device", args.device, "--port", str(port + 2), *kv_store],
-        "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target",
-                                addresses["target"], "--port", str(port), "--http-port", str(args.http_port)],
+                           "--device", args.device, "--port", str(grpc_ports["target"]),
+                           "--metrics-port", str(metrics["target"]), *kv_store],
+        "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target", addresses["target"],
+                                "--port", str(grpc_ports["coordinator"]), "--http-port", str(http_port(args)),
+                                "--metrics-port", str(metrics["coordinator"]),
+                                "--session-store", args.session_store, *api_key, *names],
     }
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name's names (the environment's comma-separated list)."""
+    value = args.served_model_name or []
+    return value.split(",") if isinstance(value, str) else value
 
 
 def wait_healthy(address: str, timeout_s: float, procs: Sequence[subprocess.Popen]) -> None:
@@ -100,13 +163,27 @@ def wait_healthy(address: str, timeout_s: float, procs: Sequence[subprocess.Pope
         raise SystemExit(str(exc))
 
 
-def generate_once(args: argparse.Namespace, address: str) -> int:
-    """`specdec generate` of --prompt against the coordinator at `address`."""
+def generate_once(args: argparse.Namespace, address: str, api_key: str) -> int:
+    """`specdec generate` of --prompt against the coordinator at `address`, with its API key."""
     parser = argparse.ArgumentParser(prog="specdec generate")
     generate.add_arguments(parser)
     gen_argv = ["--address", address, "--max-new-tokens", str(args.max_new_tokens),
                 *(["--chat"] if args.chat else []), args.prompt]
-    return generate.run(parser.parse_args(gen_argv))
+    gen_args = parser.parse_args(gen_argv)
+    gen_args.api_key = api_key  # not through an argument list
+    return generate.run(gen_args)
+
+
+def api_key_of(args: argparse.Namespace) -> str:
+    """The key of --api-key-file ("" without one), read as the coordinator reads it."""
+    from specdec.rpc.security import CredentialsError, read_api_key
+
+    if not args.api_key_file:
+        return ""
+    try:
+        return read_api_key(args.api_key_file)
+    except CredentialsError as exc:
+        raise SystemExit(f"specdec up: {exc}")
 
 
 def stop_all(procs: Sequence[subprocess.Popen]) -> None:
@@ -122,10 +199,13 @@ def stop_all(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # before any model loads: a taken port fails now, naming its flag
+        ports.check(bindings(args))
+    except SystemExit as exc:
+        raise SystemExit(f"specdec up: {exc}")
+    api_key = api_key_of(args)
     draft_model, target_model = models_of(args)
-    port = args.port
-    addresses = {"draft": f"127.0.0.1:{port + 1}", "target": f"127.0.0.1:{port + 2}",
-                 "coordinator": f"127.0.0.1:{port}"}
+    addresses = {name: f"127.0.0.1:{port}" for name, port in service_ports(args).items()}
     argvs = commands(args, draft_model, target_model, addresses)
     procs: list[subprocess.Popen] = []
 
@@ -140,11 +220,17 @@ def run(args: argparse.Namespace) -> int:
                 wait_healthy(addresses["draft"], args.startup_timeout, procs)
                 wait_healthy(addresses["target"], args.startup_timeout, procs)
         wait_healthy(addresses["coordinator"], args.startup_timeout, procs)
-        http = f"; OpenAI-compatible API on http://127.0.0.1:{args.http_port}/v1" if args.http_port else ""
+        http = ""
+        if http_port(args):
+            from coordinator.openai_protocol import served_model_names
+
+            names = served_model_names(",".join(served_names(args)), target_model)
+            http = (f"; OpenAI-compatible API on http://127.0.0.1:{http_port(args)}/v1 "
+                    f"(model {' or '.join(map(repr, names))})")
         print(f"specdec up: coordinator on {addresses['coordinator']} (draft {draft_model}, "
               f"target {target_model}){http}; Ctrl-C stops all", flush=True)
         if args.prompt is not None:
-            return generate_once(args, addresses["coordinator"])
+            return generate_once(args, addresses["coordinator"], api_key)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         return 1

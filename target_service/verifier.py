@@ -29,7 +29,7 @@ class VerifyCall:
     prefix_hash: int
     new_tokens: list[int]
     drafts: list[int]
-    draft_q: DraftQ | None  # None when greedy (q is not needed)
+    draft_q: DraftQ | None  # None when greedy (q is not needed); on the host
     params: SamplingParams
     seed: int
     cache_salt: str = ""  # mixed into its K/V chunk keys
@@ -69,7 +69,9 @@ class Verifier:
         check_top_logprobs(top_logprobs)
         draft_q = None
         if not params.greedy and gamma:
-            draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size, runner.device)
+            # on the host: this runs on the event loop, where a copy to a GPU would wait for the
+            # forward running on the model thread; _accept moves it there without blocking
+            draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size)
         return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed,
                           cache_salt, top_logprobs, tree)
 
@@ -117,7 +119,8 @@ class Verifier:
         else:
             generator = make_generator(call.seed, self.runner.device)
             assert call.draft_q is not None  # a sampled call with drafts: call() built their q
-            verdict = accept_tree_sampled(tree, call.draft_q, target_probs(logits, call.params), generator)
+            verdict = accept_tree_sampled(tree, call.draft_q.to(self.runner.device), target_probs(logits, call.params),
+                                          generator)
         self.runner.keep_path(entry, len(entry) - len(tree), verdict.path)
         emitted = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
         scored_at = [0] + [node + 1 for node in verdict.path]  # the logits row of each emitted token
@@ -135,7 +138,8 @@ class Verifier:
         else:
             generator = make_generator(call.seed, self.runner.device)
             p = target_probs(logits, call.params)  # [γ+1, vocab]
-            verdict = accept_sampled(call.drafts, call.draft_q or DraftQ.from_dense(p[:0], []), p, generator)
+            q = call.draft_q.to(p.device) if call.draft_q is not None else DraftQ.empty(p.device)
+            verdict = accept_sampled(call.drafts, q, p, generator)
         entry.crop(len(entry) - len(call.drafts) + verdict.num_accepted)
         emitted = verdict.committed(call.drafts)
         return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs,

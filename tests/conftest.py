@@ -79,8 +79,8 @@ def base_url(cluster):
 
 @pytest.fixture(scope="module")
 def model_id(cluster):
-    """The model id the module's `cluster` serves."""
-    return cluster.coordinator.engine.target_info.model_id
+    """The model name the module's `cluster` serves (the first of its served names)."""
+    return cluster.coordinator.served_model_names[0]
 
 
 @pytest.fixture(scope="module")

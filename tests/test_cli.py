@@ -55,7 +55,12 @@ def test_generate_reports_bad_input(llama_cluster):
     address = f"127.0.0.1:{llama_cluster.coordinator.port}"
     result = run_cli("generate", "--address", address, "--top-p", "2", "hi")
     assert result.returncode == 2
-    assert "INVALID_ARGUMENT" in result.stderr and "top_p" in result.stderr
+    assert "INVALID_ARGUMENT" in result.stderr and "--top-p must be in" in result.stderr
+    # the command names its own flags, not the gRPC API's fields
+    result = run_cli("generate", "--address", address, "--session", "no-such-session", "hi")
+    assert result.returncode == 2 and "omit --session" in result.stderr and "session_id" not in result.stderr
+    result = run_cli("generate", "--address", address, "--max-new-tokens", "0", "hi")
+    assert result.returncode == 2 and "--max-new-tokens must be in [1, " in result.stderr, result.stderr
 
 
 def _free_port_block() -> int:
@@ -75,14 +80,45 @@ def _free_port_block() -> int:
     pytest.skip("no free block of three ports")
 
 
-def test_up_runs_all_three_and_generates(models):
+def test_up_runs_all_three_and_generates(models, tmp_path):
     port = _free_port_block()
-    result = run_cli("up", "--draft-model", models["llama"]["draft"], "--target-model",
-                     models["llama"]["target"], "--dtype", "float32", "--port", str(port), "--http-port", "0",
-                     "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", timeout=300)
+    key_file = tmp_path / "key"
+    key_file.write_text("up-key\n")
+    with socket.socket() as busy:  # a one-shot --prompt run serves no HTTP: a taken --http-port is no matter
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = run_cli("up", "--draft-model", models["llama"]["draft"], "--target-model",
+                         models["llama"]["target"], "--dtype", "float32", "--port", str(port),
+                         "--http-port", str(busy.getsockname()[1]), "--api-key-file", str(key_file),
+                         "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "coordinator ready" in result.stdout
     assert "rounds=" in result.stderr and "acceptance=" in result.stderr
+
+
+@pytest.mark.parametrize("taken, flag", [(1, "--draft-port"), (2, "--target-port"), (0, "--port"),
+                                         (3, "--http-port"), (5, "--metrics-port")])
+def test_up_refuses_a_taken_port_before_loading_any_model(taken, flag):
+    """Every port is checked first: the models named here do not even exist, so only a check made
+    before loading them can answer, and it names the flag that moves the port."""
+    import time
+
+    port = _free_port_block()
+    argv = ["up", "--draft-model", "/no/such/draft", "--target-model", "/no/such/target", "--port", str(port)]
+    if flag == "--http-port":
+        argv += ["--http-port", str(port + 3)]
+    if flag == "--metrics-port":
+        argv += ["--http-port", "0", "--metrics-port", str(port + 3)]  # its draft's is port + 4, target's + 5
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port + taken))
+        busy.listen()
+        started = time.monotonic()
+        result = run_cli(*argv, timeout=60)
+        elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert f"port {port + taken} is in use; choose another with {flag}" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # that line only: no gRPC log lines
+    assert elapsed < 30, elapsed
 
 
 def test_up_without_fetched_pair_says_what_to_do(tmp_path):
@@ -98,21 +134,30 @@ def test_up_stops_its_services_on_sigterm(models):
     import psutil
 
     port = _free_port_block()
+    metrics_port = _free_port_block()
+    while abs(metrics_port - port) < 3:
+        metrics_port = _free_port_block()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         http_port = probe.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "up", "--draft-model",
                              models["llama"]["draft"], "--target-model", models["llama"]["target"],
-                             "--dtype", "float32", "--port", str(port), "--http-port", str(http_port)],
+                             "--dtype", "float32", "--port", str(port), "--http-port", str(http_port),
+                             "--metrics-port", str(metrics_port), "--served-model-name", "tiny", "tiny-2"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 120
         for line in proc.stdout:
             if "Ctrl-C stops all" in line or time.monotonic() > deadline:
                 break
-        assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in line
+        assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1 (model 'tiny' or 'tiny-2')" in line
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as reply:
             assert reply.status == 200 and json.loads(reply.read()) == {"status": "ok"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as reply:
+            assert [entry["id"] for entry in json.loads(reply.read())["data"]] == ["tiny", "tiny-2"]
+        for offset, service in enumerate(("coordinator", "draft", "target")):  # --metrics-port and the next two
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + offset}/metrics", timeout=10) as reply:
+                assert f'service="{service}"' in reply.read().decode()
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) == 3
         proc.send_signal(signal.SIGTERM)
@@ -122,3 +167,21 @@ def test_up_stops_its_services_on_sigterm(models):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_passes_the_service_flags_on():
+    """--session-store, --api-key-file, --served-model-name reach the coordinator as its own flags,
+    --metrics-port each service (the next two for the draft and the target)."""
+    from specdec_cli import up
+    from specdec_cli.main import build_parser
+
+    args = build_parser().parse_args(["up", "--port", "6000", "--metrics-port", "9100", "--session-store",
+                                      "redis://127.0.0.1:6379/0", "--api-key-file", "/k", "--served-model-name",
+                                      "a", "b"])
+    argvs = up.commands(args, "D", "T", {"draft": "127.0.0.1:6001", "target": "127.0.0.1:6002"})
+    coordinator = argvs["coordinator"]
+    assert coordinator[coordinator.index("--session-store") + 1] == "redis://127.0.0.1:6379/0"
+    assert coordinator[coordinator.index("--api-key-file") + 1] == "/k"
+    assert coordinator[coordinator.index("--served-model-name") + 1:][:2] == ["a", "b"]
+    for service, port in (("coordinator", "9100"), ("draft", "9101"), ("target", "9102")):
+        assert argvs[service][argvs[service].index("--metrics-port") + 1] == port

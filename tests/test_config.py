@@ -52,3 +52,19 @@ def test_boolean_env_and_flag():
     assert parse(DraftConfig, "draft", [], {"SPECDEC_DRAFT_TRUST_REMOTE_CODE": "true"}).trust_remote_code
     assert not parse(DraftConfig, "draft", ["--no-trust-remote-code"],
                      {"SPECDEC_DRAFT_TRUST_REMOTE_CODE": "true"}).trust_remote_code
+
+
+def test_served_model_name_takes_several_names_as_vllm_does():
+    from coordinator.openai_protocol import served_model_names
+
+    config = parse(CoordinatorConfig, "coordinator", ["--served-model-name", "qwen", "gpt-4o"], {})
+    assert served_model_names(config.served_model_name, "/cache/x") == ("qwen", "gpt-4o")
+    config = parse(CoordinatorConfig, "coordinator", [], {"SPECDEC_COORDINATOR_SERVED_MODEL_NAME": "a, b"})
+    assert served_model_names(config.served_model_name, "/cache/x") == ("a", "b")
+    # the default: the target's model, never a file system path
+    default = parse(CoordinatorConfig, "coordinator", [], {}).served_model_name
+    assert served_model_names(default, "/root/.cache/specdec/qwen2.5-0.5b-instruct-q4_k_m.gguf") \
+        == ("qwen2.5-0.5b-instruct-q4_k_m",)
+    assert served_model_names(default, "/root/.cache/specdec/Qwen2.5-0.5B-Instruct/") == ("Qwen2.5-0.5B-Instruct",)
+    assert served_model_names(default, "./models/target") == ("target",)
+    assert served_model_names(default, "Qwen/Qwen2.5-Coder-1.5B-Instruct") == ("Qwen/Qwen2.5-Coder-1.5B-Instruct",)

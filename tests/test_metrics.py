@@ -85,7 +85,9 @@ def test_rounds_move_the_counters_by_exactly_what_was_recorded(served):
 
 @pytest.mark.service
 def test_requests_gauges_and_batches(served):
-    metrics, server = served
+    coordinator, coordinator_server = served
+    metrics = Metrics("target")
+    server = metrics.serve(0)
     metrics.record_request("Generate", grpc.StatusCode.OK)
     metrics.record_request("Generate", grpc.StatusCode.OK)
     metrics.record_request("Generate", grpc.StatusCode.INVALID_ARGUMENT)
@@ -94,9 +96,11 @@ def test_requests_gauges_and_batches(served):
         metrics.observe_batch(size)
     metrics.set_cache(7, 123_456)
     metrics.set_queue_depth(2)
-    with metrics.active():
-        inside = scrape(server.port)
+    with coordinator.active():
+        inside = scrape(coordinator_server.port)
     after = scrape(server.port)
+    coordinator_after = scrape(coordinator_server.port)
+    server.stop()
 
     assert value(after, "specdec_requests_total", method="Generate", code="OK") == 2
     assert value(after, "specdec_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
@@ -108,7 +112,10 @@ def test_requests_gauges_and_batches(served):
     assert value(after, "specdec_kv_cache_bytes") == 123_456
     assert value(after, "specdec_queue_depth") == 2
     assert value(inside, "specdec_active_sessions") == 1
-    assert value(after, "specdec_active_sessions") == 0
+    assert value(coordinator_after, "specdec_active_sessions") == 0
+    # each service exports only what it measures
+    assert ("specdec_active_sessions", ()) not in after
+    assert not [name for name, _ in coordinator_after if name.startswith(("specdec_batch_size", "specdec_queue"))]
 
 
 @pytest.mark.unit

@@ -3,6 +3,8 @@ counters move exactly as the returned stats say."""
 
 from __future__ import annotations
 
+import pathlib
+import re
 import time
 import urllib.request
 
@@ -24,6 +26,46 @@ def metered(small_vocab_models):
                  draft={"metrics_port": ports["draft"]},
                  target={"metrics_port": ports["target"]}) as cluster:
         yield cluster, ports
+
+
+OPERATIONS_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+
+
+def documented_families() -> list[tuple[set[str], set[str], bool]]:
+    """docs/operations.md's metrics table: (family names, services, only with --kv-store) per row."""
+    rows = []
+    for line in OPERATIONS_MD.read_text().splitlines():
+        if not line.startswith("| `specdec_"):
+            continue
+        metric, services = line.split("|")[1:3]
+        names = set(re.findall(r"`(specdec_\w+)`", metric))
+        named = set(re.findall(r"\b(coordinator|draft|target|all)\b", services))
+        rows.append((names, {"coordinator", "draft", "target"} if "all" in named else named,
+                     "--kv-store" in services))
+    assert rows, "docs/operations.md has no metrics table"
+    return rows
+
+
+def expected_families(service: str, kv_store: bool) -> set[str]:
+    return {name for names, services, store_only in documented_families()
+            if service in services and (kv_store or not store_only) for name in names}
+
+
+def exported_families(port: int) -> set[str]:
+    """The family names GET /metrics declares (# TYPE lines), less prometheus_client's own
+    `_created` timestamps."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {line.split()[2] for line in text.splitlines()
+            if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")}
+
+
+def check_documented(ports: dict, kv_store: bool) -> None:
+    for service, port in ports.items():
+        exported, documented = exported_families(port), expected_families(service, kv_store)
+        assert exported == documented, (
+            f"{service}: exported but not in docs/operations.md's table for it: {sorted(exported - documented)}; "
+            f"documented but not exported: {sorted(documented - exported)}")
 
 
 def scrape_all(ports: dict) -> dict:
@@ -141,3 +183,19 @@ def test_streamed_generation_counts_once_and_health_is_not_counted(metered):
                 and dict(key[1]).get("method") == "Check"]
     with urllib.request.urlopen(f"http://127.0.0.1:{ports['coordinator']}/metrics", timeout=5) as page:
         assert page.headers["Content-Type"].startswith("text/plain")
+
+
+def test_each_service_exports_exactly_the_documented_families(metered):
+    cluster, ports = metered
+    cluster.complete(token_ids=[3, 7, 5, 3, 7], max_new_tokens=8, ignore_eos=True)  # every family has moved
+    check_documented(ports, kv_store=False)
+
+
+def test_the_kv_store_families_appear_with_a_kv_store(small_vocab_models):
+    ports = {name: _free_port() for name in ("coordinator", "draft", "target")}
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
+                 coordinator={"metrics_port": ports["coordinator"]},
+                 draft={"metrics_port": ports["draft"], "kv_store": "memory://"},
+                 target={"metrics_port": ports["target"], "kv_store": "memory://"}) as cluster:
+        cluster.complete(token_ids=[3, 7, 5, 3, 7], max_new_tokens=8, ignore_eos=True)
+        check_documented(ports, kv_store=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import ssl
 import threading
 import time
@@ -202,6 +203,24 @@ def test_errors(client, base_url, model_id):
     assert _error(httpx.post(url, json={**base, "prompt": ["a", "b"]}), 400)["param"] == "prompt"
     assert _error(httpx.post(url, json={k: v for k, v in base.items() if k != "prompt"}), 400)["param"] == "prompt"
     assert _error(httpx.post(url, content=b"x" * (2 << 20)), 413)
+    # errors name the HTTP field the request sent, in the message and in param
+    error = _error(httpx.post(url, json={**base, "max_tokens": 0}), 400)
+    assert error["param"] == "max_tokens" and error["message"].startswith("max_tokens must be in [1, "), error
+    assert "max_new_tokens" not in error["message"]
+    error = _error(httpx.post(url, json={**base, "max_tokens": "4"}), 400)  # OpenAI's API does not coerce
+    assert error["param"] == "max_tokens" and '"4"' in error["message"], error
+    assert _error(httpx.post(url, json={**base, "temperature": "0.5"}), 400)["param"] == "temperature"
+    error = _error(httpx.post(url, json={**base, "prompt": ""}), 400)
+    assert error["param"] == "prompt" and error["message"] == "prompt is empty: give some text", error
+    error = _error(httpx.post(url, json={**base, "prompt": []}), 400)
+    assert error["param"] == "prompt" and error["message"].startswith("prompt is empty"), error
+    chat_url = f"{base_url}/v1/chat/completions"
+    error = _error(httpx.post(chat_url, json={**chat, "messages": []}), 400)
+    assert error["param"] == "messages" and error["message"].startswith("messages is empty"), error
+    error = _error(httpx.post(chat_url, json={**chat, "max_completion_tokens": 0}), 400)
+    assert error["param"] == "max_completion_tokens" and "max_completion_tokens must be" in error["message"]
+    error = _error(httpx.post(url, json={**base, "top_k": -1}), 400)
+    assert error["param"] == "top_k" and "top_k must be" in error["message"], error
     assert _error(httpx.post(f"{base_url}/v1/chat/completions", json={
         "model": model_id, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400)
     assert _error(httpx.post(url, json={**base, "session_id": "no-such-session"}), 404)["code"] == "not_found"
@@ -213,6 +232,23 @@ def test_errors(client, base_url, model_id):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, n=2)
+
+
+def test_served_model_names(models, model_id):
+    """By default the target's directory's base name (never a path); --served-model-name gives
+    one or more names, each accepted, the one a request used echoed in its response."""
+    assert model_id == os.path.basename(models["llama"]["target"]) and "/" not in model_id
+    with Cluster(models["llama"]["draft"], models["llama"]["target"],
+                 coordinator={"http_port": -1, "served_model_name": "alpha,beta"}) as cluster:
+        url = f"http://127.0.0.1:{cluster.coordinator.http_port}/v1"
+        listed = httpx.get(f"{url}/models").json()["data"]
+        assert [entry["id"] for entry in listed] == ["alpha", "beta"]
+        for name in ("alpha", "beta"):
+            reply = httpx.post(f"{url}/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 2},
+                               timeout=60)
+            assert reply.status_code == 200 and reply.json()["model"] == name, reply.text
+        error = _error(httpx.post(f"{url}/completions", json={"model": model_id, "prompt": PROMPT}), 404)
+        assert error["code"] == "model_not_found" and "'alpha' or 'beta'" in error["message"], error
 
 
 def test_api_key_over_tls(models, tmp_path):
@@ -235,7 +271,7 @@ def test_api_key_over_tls(models, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
         right = openai.OpenAI(base_url=f"{base_url}/v1", api_key="s3cret-key", max_retries=0, http_client=http)
-        model_id = cluster.coordinator.engine.target_info.model_id
+        model_id = cluster.coordinator.served_model_names[0]
         reply = right.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, extra_body=EXTRA)
         assert reply.usage.completion_tokens == 2
 
@@ -325,7 +361,7 @@ def test_a_full_coordinator_is_429_with_retry_after(models):
     with Cluster(models["llama"]["draft"], models["llama"]["target"],
                  coordinator={"http_port": -1, "max_concurrent_generations": 1}) as full_cluster:
         url = f"http://127.0.0.1:{full_cluster.coordinator.http_port}/v1/completions"
-        model_id = full_cluster.coordinator.engine.target_info.model_id
+        model_id = full_cluster.coordinator.served_model_names[0]
         with generating(full_cluster, url, model_id):
             full = httpx.post(url, json={"model": model_id, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
             error = _error(full, 429)

@@ -55,7 +55,7 @@ def test_target_down_is_503_then_recovers(models):
     with Cluster(models["llama"]["draft"], models["llama"]["target"],
                  coordinator={"http_port": -1, "target_retry_s": RETRY_S}) as cluster:
         base = f"http://127.0.0.1:{cluster.coordinator.http_port}"
-        model_id = cluster.coordinator.engine.target_info.model_id
+        model_id = cluster.coordinator.served_model_names[0]
         address = f"127.0.0.1:{cluster.target_port}"
         completion = {"model": model_id, "prompt": PROMPT, "max_tokens": 3, **GREEDY}
         chat = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **GREEDY}
@@ -114,7 +114,7 @@ def test_target_failing_mid_stream_ends_with_an_error_event(models):
     with Cluster(models["llama"]["draft"], models["llama"]["target"],
                  coordinator={"http_port": -1, "target_retry_s": RETRY_S}) as cluster:
         base = f"http://127.0.0.1:{cluster.coordinator.http_port}"
-        model_id = cluster.coordinator.engine.target_info.model_id
+        model_id = cluster.coordinator.served_model_names[0]
         tokenizer = cluster.coordinator.engine.tokenizer
         # what the interrupted generation would have produced (greedy: the same tokens)
         reference = cluster.complete(prompt=PROMPT, max_new_tokens=40, ignore_eos=True, temperature=0.0,

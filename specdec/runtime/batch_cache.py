@@ -7,6 +7,10 @@ go in columns [P, P + n). A 4-D float mask lets each real query see its own hist
 own new tokens up to itself; padding sees only itself, and nobody sees padding. `position_ids`
 give each row its own positions. After the forward, each row's new K/V are written back into
 its buffer. A single row needs no copy at all: the cache is a view of the session's buffer.
+
+Host data (token ids, positions, lengths, a tree's shape) reaches the device through `upload`,
+which on a GPU copies from pinned memory without blocking: a copy from pageable memory would
+stall the host until the stream has run up to it, a host synchronisation per tensor.
 """
 
 from __future__ import annotations
@@ -67,12 +71,24 @@ class BufferCache(Cache):
         super().__init__(layers=[BufferLayer(per_layer[i], start) for i in range(per_layer.shape[0])])
 
 
+def upload(data: Sequence[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host data (nested lists of numbers) on `device` without a host
+    synchronisation: on a CUDA device built in pinned memory and copied asynchronously (the
+    caching host allocator keeps the pinned block until the copy has run), elsewhere made there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)  # made where it is used: no copy
+    return torch.tensor(data, dtype=dtype, device=device)  # another accelerator: a plain copy
+
+
 def attention_mask(pasts: Sequence[int], lengths: Sequence[int], n: int, dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
     """The additive mask of a batch -> [B, 1, n, P + n] (0 where attended, dtype min elsewhere)."""
     P = max(pasts)
-    past = torch.tensor(pasts, device=device)[:, None, None]  # [B, 1, 1]
-    pad = n - torch.tensor(lengths, device=device)[:, None, None]  # [B, 1, 1]
+    past = upload(list(pasts), torch.long, device)[:, None, None]  # [B, 1, 1]
+    pad = n - upload(list(lengths), torch.long, device)[:, None, None]  # [B, 1, 1]
     i = torch.arange(n, device=device)[None, :, None]  # [1, n, 1] query
     j = torch.arange(P + n, device=device)[None, None, :]  # [1, 1, P+n] key
     real = i >= pad  # [B, n, 1]
@@ -83,14 +99,20 @@ def attention_mask(pasts: Sequence[int], lengths: Sequence[int], n: int, dtype: 
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def ancestor_mask(tree: TokenTree, device: torch.device | str = "cpu") -> torch.Tensor:
-    """mask[i, j]: node i attends to node j, its ancestor or itself -> [n, n] bool."""
-    n = len(tree)
-    mask = torch.eye(n, dtype=torch.bool, device=device)  # [n, n]
+def ancestor_rows(tree: TokenTree) -> list[list[bool]]:
+    """rows[i][j]: node i attends to node j, its ancestor or itself (host lists, n x n)."""
+    rows: list[list[bool]] = []
     for i, parent in enumerate(tree.parents):
-        if parent:
-            mask[i] |= mask[parent - 1]  # parents come first: their rows are complete
-    return mask
+        row = list(rows[parent - 1]) if parent else [False] * len(tree)  # parents come first: complete
+        row[i] = True
+        rows.append(row)
+    return rows
+
+
+def ancestor_mask(tree: TokenTree, device: torch.device | str = "cpu") -> torch.Tensor:
+    """mask[i, j]: node i attends to node j, its ancestor or itself -> [n, n] bool (built on
+    the host, one upload: no operation per node on the device)."""
+    return upload(ancestor_rows(tree), torch.bool, device)
 
 
 def place_trees(mask: torch.Tensor, positions: torch.Tensor, pasts: Sequence[int], lengths: Sequence[int],
@@ -115,19 +137,19 @@ def place_trees(mask: torch.Tensor, positions: torch.Tensor, pasts: Sequence[int
         if cached:
             mask[b, 0, n - new:, P - cached:P] = block[:, :cached]
         root = past + length - m - 1  # the position of the token before the tree
-        depths = torch.tensor(tree.depths()[cached:], dtype=positions.dtype, device=positions.device)  # [new]
+        depths = upload(tree.depths()[cached:], positions.dtype, positions.device)  # [new]
         positions[b, n - new:] = root + depths
 
 
 def position_ids(pasts: Sequence[int], lengths: Sequence[int], n: int, device: torch.device) -> torch.Tensor:
     """[B, n]: row b's real tokens at pasts[b], pasts[b] + 1, ...; padding at 0."""
     rows = [[0] * (n - length) + list(range(past, past + length)) for past, length in zip(pasts, lengths)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return upload(rows, torch.long, device)
 
 
 def input_ids(token_rows: Sequence[Sequence[int]], n: int, device: torch.device) -> torch.Tensor:
     """[B, n]: each row left-padded (with id 0, never attended)."""
-    return torch.tensor([[0] * (n - len(t)) + list(t) for t in token_rows], dtype=torch.long, device=device)
+    return upload([[0] * (n - len(t)) + list(t) for t in token_rows], torch.long, device)
 
 
 def single_cache(buffer: KVBuffer, past: int) -> BufferCache:

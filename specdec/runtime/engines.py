@@ -17,9 +17,25 @@ def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None = None) -> Backend:
+def model_type(model: str) -> str | None:
+    """The checkpoint's config.model_type (llama, qwen2, ...), None when it cannot be read."""
+    from transformers import AutoConfig
+
+    from specdec.tokenizer import model_source
+
+    try:
+        source, extra = model_source(model)
+        return getattr(AutoConfig.from_pretrained(source, **extra), "model_type", None)
+    except Exception:  # noqa: BLE001 - unreadable here: the load reports why, on the torch engine
+        return None
+
+
+def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None = None,
+                    device: str = "cpu", quantize: str = Quantization.NONE) -> Backend:
     """The engine --backend names; AUTO is llama.cpp for a .gguf file when llama-cpp-python is
-    installed, else torch. ModelLoadError for llama.cpp with something other than a .gguf file."""
+    installed, the graph engine on CUDA for the architectures it covers (plain weights: not
+    with --quantize int8/int4), else torch.
+    ModelLoadError for llama.cpp with something other than a .gguf file."""
     try:
         backend = Backend(backend)
     except ValueError:
@@ -27,7 +43,14 @@ def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None =
     is_gguf = model.endswith(".gguf")
     if backend == Backend.AUTO:
         available = llama_cpp_installed() if llama_cpp_available is None else llama_cpp_available
-        return Backend.LLAMA_CPP if is_gguf and available else Backend.TORCH
+        if is_gguf and available:
+            return Backend.LLAMA_CPP
+        if device.startswith("cuda") and not is_gguf and quantize not in (Quantization.INT8, Quantization.INT4):
+            from specdec.runtime.graph.model import ARCHITECTURES
+
+            if model_type(model) in ARCHITECTURES:
+                return Backend.GRAPH
+        return Backend.TORCH
     if backend == Backend.LLAMA_CPP and not is_gguf:
         raise ModelLoadError(f"--backend llama.cpp serves a .gguf file; {model!r} is not one "
                              "(use --backend torch for a directory or a hub id)")
@@ -36,7 +59,8 @@ def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None =
 
 def runner_from_config(config) -> SessionRunner:
     """Load the model of a ModelServiceConfig on its engine, with its cache bounds."""
-    backend = resolve_backend(config.backend, config.model)
+    backend = resolve_backend(config.backend, config.model, device=config.device,
+                              quantize=getattr(config, "quantize", Quantization.NONE))
     if backend == Backend.LLAMA_CPP:
         from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
 
@@ -56,6 +80,8 @@ def runner_from_config(config) -> SessionRunner:
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    if backend == Backend.GRAPH:
+        return graph_runner(config)
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
                         getattr(config, "quantize", Quantization.NONE), config.prepack)
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
@@ -64,9 +90,28 @@ def runner_from_config(config) -> SessionRunner:
     return runner
 
 
-def kv_tier_for(runner, config):
+def graph_runner(config) -> SessionRunner:
+    """The graph engine's runner: plain (unquantized, unpacked) weights; its CUDA graphs
+    captured before the service starts serving."""
+    from specdec.runtime.graph.runner import graph_runner_from_config
+    from specdec.runtime.kv_tier import tensors_digest
+    from specdec.runtime.loader import load_model
+
+    quantize = getattr(config, "quantize", Quantization.NONE)
+    if quantize in (Quantization.INT8, Quantization.INT4):
+        raise ModelLoadError(f"--backend graph runs plain weights, not --quantize {quantize}; "
+                             "pass --quantize none, or --backend torch")
+    loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code)
+    runner = graph_runner_from_config(config, loaded)
+    runner.kv_tier = kv_tier_for(runner, config, "graph", runner.hf_config,
+                                 lambda: tensors_digest(runner.named_weights().items()))
+    return runner
+
+
+def kv_tier_for(runner, config, engine: str = "torch", model_config=None, digest=None):
     """The prefix cache and K/V store --prefix-cache-bytes and --kv-store ask for, where the
-    runner's K/V can be cut into chunks (None otherwise, said in the log)."""
+    runner's K/V can be cut into chunks (None otherwise, said in the log). model_config (the
+    HF config) and digest (its weights' digest) default to the torch runner's model's."""
     if not config.kv_store and config.prefix_cache_bytes <= 0:
         return None
     if config.kv_chunk_tokens < 1:
@@ -79,13 +124,14 @@ def kv_tier_for(runner, config):
     from specdec.kv_store import ChunkWriter, open_chunk_store
     from specdec.runtime.kv_tier import KVTier, PrefixCache, weights_digest
 
-    model_config = {k: v for k, v in runner.model.config.to_dict().items() if not k.startswith("_")
+    model_config = runner.model.config if model_config is None else model_config
+    model_config = {k: v for k, v in model_config.to_dict().items() if not k.startswith("_")
                     and k != "transformers_version"}  # not the path it was loaded from
-    identity = {"engine": "torch", "model_id": runner.description.model_id, "dtype": runner.description.dtype,
+    identity = {"engine": engine, "model_id": runner.description.model_id, "dtype": runner.description.dtype,
                 "config": json.dumps(model_config, sort_keys=True, default=str)}
     store = open_chunk_store(config.kv_store, config.kv_store_ttl_s)
     if store is not None:  # shared with other replicas: the weights themselves must agree
-        identity["weights"] = weights_digest(runner.model)
+        identity["weights"] = weights_digest(runner.model) if digest is None else digest()
         identity.pop("model_id")  # a path differs between replicas; the weights do not
     cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
     tier = KVTier(model_fingerprint(identity), ChunkLayout.from_spec(runner.kv_spec, config.kv_chunk_tokens),

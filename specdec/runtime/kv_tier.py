@@ -197,10 +197,15 @@ def weights_digest(model: torch.nn.Module) -> str:
     """blake2b over every parameter and buffer of the model as loaded (names, dtypes, shapes,
     bytes): the same checkpoint in the same dtype and quantization digests the same on every
     replica, any other does not."""
+    return tensors_digest(model.state_dict().items())
+
+
+def tensors_digest(named) -> str:
+    """blake2b over (name, tensor) pairs: their names, dtypes, shapes and bytes, in order."""
     import hashlib
 
     digest = hashlib.blake2b(digest_size=32)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in named:
         if not isinstance(tensor, torch.Tensor):
             digest.update(f"{name}={tensor!r};".encode())
             continue

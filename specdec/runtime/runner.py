@@ -148,7 +148,7 @@ class ModelRunner(SessionRunner):
 
     def _forward_dynamic(self, row: Row) -> torch.Tensor:
         """The fallback: one session through its DynamicCache -> [keep_logits, vocab]."""
-        input_ids = torch.tensor([list(row.tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        input_ids = batch_cache.input_ids([row.tokens], len(row.tokens), self.device)  # [1, n]
         kv = row.entry.kv
         out = self.model(input_ids=input_ids, cache=kv.cache, use_cache=True, logits_to_keep=row.keep_logits)
         kv.cache = out.cache

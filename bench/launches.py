@@ -1,0 +1,435 @@
+"""Kernel launches and host synchronisations per step: a proxy of GPU overhead a CPU can measure.
+
+Usage:
+  python bench/launches.py                      # the tiny model and the small real-shape model
+  python bench/launches.py --models tiny --repeats 1 --histories 32,256
+  python bench/launches.py --gammas 1,4,8 --tree-nodes 8 --out bench/results
+
+A decode step on a GPU that does not run as a captured graph costs a kernel launch per ATen
+operation and a stall per host synchronisation; both are counted here with the torch profiler
+while the services' own code runs in this process, without gRPC or the batch scheduler: the
+target's `target_service.verifier.Verifier.verify_batch` and the draft's
+`draft_service.proposer.ModelProposer.propose_batch` over `specdec.runtime.runner.ModelRunner`
+(the torch engine, its K/V buffers), one session, one call at a time, each call one round of a
+session that grows by a token per round. The llama.cpp engine runs no torch operations and is
+not counted.
+
+Per call:
+  aten ops   every ATen operation the dispatcher ran, nested ones included
+  launches   of them, those that would launch a kernel on a GPU: not a metadata-only op (views,
+             empty allocations, dtype queries), not a composite whose work is done by an op
+             below it (aten::linear -> aten::mm counts once)
+  syncs      host synchronisations a GPU would make, the sum of:
+    items    aten::_local_scalar_dense: tensor.item(), int(t), float(t), bool(t) (not under
+             aten::_assert_async, which a GPU checks on the device)
+    reads    Tensor.tolist(), .cpu(), .numpy(): a device-to-host copy (blocking)
+    sized    aten::nonzero, masked_select, unique, repeat_interleave: an output sized by data
+    uploads  torch.tensor / torch.as_tensor of host data with a device: a host-to-device copy
+             from pageable memory, which blocks the host until the stream has run up to it (host
+             data built in pinned memory and copied with non_blocking=True is not counted)
+  ms         the call's wall time on this machine, without the profiler (median)
+
+Rows: a draft step (Propose γ=1), a Propose of γ=4 (the per-step cost is the difference over 3),
+a target step (a Verify with no drafts, as a target-only round sends), Verify of each --gammas
+drafts (rejected: a round of a random draft), a Verify of a --tree-nodes tree, and sampled
+(temperature 1) calls: Propose γ=4, a target step, Verify γ=4. Each row at each --histories length: counts that grow
+with the history are per-call work that grows with the context. Models: `tiny` (specdec.tiny's
+llama, width 32, 2 layers, float32) and `qwen-small` (Qwen2.5-0.5B's shape — hidden 896, 14
+heads, 2 K/V heads, MLP 4864, vocabulary 151,936 — with 2 layers instead of 24, bfloat16,
+random weights): per layer, a real model runs the same operations, so launches scale with its
+layers. Prints a table; writes launches.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# operations that launch no kernel: views and metadata, allocations without a fill
+NO_KERNEL = frozenset(f"aten::{name}" for name in (
+    "as_strided", "view", "_unsafe_view", "reshape", "_reshape_alias", "view_as", "resolve_conj",
+    "resolve_neg", "result_type", "empty", "empty_strided", "empty_like", "detach", "detach_", "alias",
+    "lift_fresh", "t", "transpose", "expand", "expand_as", "slice", "select", "unsqueeze", "squeeze",
+    "permute", "unbind", "split", "split_with_sizes", "chunk", "narrow", "unflatten", "flatten", "numpy_T",
+    "_has_compatible_shallow_copy_type", "is_nonzero", "contiguous", "to", "_to_copy", "type_as",
+    "broadcast_tensors", "set_", "_nested_tensor_from_mask_left_aligned", "is_same_size", "size", "stride",
+    "dim", "item", "_index_put_impl_", "index_put_", "lift_fresh_copy", "new_empty", "new_empty_strided",
+))
+SIZED = frozenset(f"aten::{name}" for name in ("nonzero", "nonzero_static", "masked_select", "unique",
+                                               "_unique", "_unique2", "unique_dim", "unique_consecutive",
+                                               "repeat_interleave"))
+ITEM = "aten::_local_scalar_dense"
+ASYNC_CHECK = "aten::_assert_async"  # reads its flag on a CPU; on a GPU it checks on the device, no sync
+
+
+def _under(event: Any, name: str) -> bool:
+    """Whether an op named `name` is among the event's callers."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+@dataclass
+class Counts:
+    """One call's operations (see the module docstring)."""
+
+    aten_ops: int   # ATen operations, nested ones included
+    launches: int   # of them, those that launch a kernel on a GPU
+    syncs: int      # host synchronisations on a GPU: items + reads + sized + uploads
+    items: int      # aten::_local_scalar_dense (item(), int(t), float(t), bool(t))
+    reads: int      # Tensor.tolist / .cpu / .numpy
+    sized: int      # outputs sized by data (nonzero, masked_select, unique, ...)
+    uploads: int    # tensors made from host data straight on a device (torch.tensor, as_tensor)
+    ms: float = 0.0  # wall time of the call without the profiler, median
+
+
+class HostCalls:
+    """Counts, while entered, the Python calls that move data between host and device on a GPU
+    (Tensor.tolist / cpu / numpy; torch.tensor / as_tensor of host data): on a CPU they run no
+    ATen operation the profiler could see."""
+
+    READS = ("tolist", "cpu", "numpy")
+    UPLOADS = ("tensor", "as_tensor")
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.uploads = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str, counter: str, when: Callable[..., bool]) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if when(*args, **kwargs):
+                setattr(self, counter, getattr(self, counter) + 1)
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> "HostCalls":
+        for name in self.READS:
+            self._wrap(torch.Tensor, name, "reads", lambda *args, **kwargs: True)
+        for name in self.UPLOADS:
+            self._wrap(torch, name, "uploads", _blocking_upload)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+def _blocking_upload(data: Any = None, *args: Any, device: Any = None, **kwargs: Any) -> bool:
+    """torch.tensor / as_tensor of host data straight onto a device (`device=` given): from
+    pageable memory, a copy that blocks the host. Host data made on the host (then copied from
+    pinned memory with non_blocking=True, as specdec.runtime.batch_cache.upload does on a GPU) is
+    not counted, nor is a tensor given to them."""
+    return device is not None and not isinstance(data, torch.Tensor)
+
+
+def count_events(events: Any, host: HostCalls) -> Counts:
+    """Counts of one profiled call from the profiler's events (torch.autograd FunctionEvent)."""
+    aten = [e for e in events if e.name.startswith("aten::")]
+    launches: dict[int, bool] = {}
+
+    def launches_kernel(event: Any) -> bool:
+        """An op launches a kernel when it is no metadata op and no op below it launches one."""
+        key = id(event)
+        if key not in launches:
+            below = [launches_kernel(c) for c in event.cpu_children if c.name.startswith("aten::")]
+            launches[key] = event.name not in NO_KERNEL and not any(below)
+        return launches[key]
+
+    kernels = sum(launches_kernel(e) for e in aten)
+    items = sum(e.name == ITEM and not _under(e, ASYNC_CHECK) for e in aten)
+    sized = sum(e.name in SIZED for e in aten)
+    return Counts(len(aten), kernels, items + host.reads + sized + host.uploads, items, host.reads, sized,
+                  host.uploads)
+
+
+def profile_call(fn: Callable[[], Any]) -> tuple[Any, Counts]:
+    """Run fn once under the profiler: (its result, its counts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with HostCalls() as host, profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, count_events(prof.events(), host)
+
+
+# ---- the models ------------------------------------------------------------------------------
+
+QWEN_SMALL = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def build_model(name: str, seed: int = 0) -> tuple[Any, dict]:
+    """(a random model in eval mode, a description of it) for `tiny` or `qwen-small`."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from specdec import tiny
+
+    torch.manual_seed(seed)
+    if name == "tiny":
+        tokenizer = tiny.byte_level_tokenizer()
+        config = tiny.model_config("llama", len(tokenizer), tokenizer.eos_token_id, context=4096, width=32,
+                                   layers=2)
+        config.initializer_range = 0.5
+        dtype = torch.float32
+    elif name == "qwen-small":
+        config, dtype = Qwen2Config(**QWEN_SMALL), torch.bfloat16
+    else:
+        raise SystemExit(f"bench/launches.py: no model {name!r}; choose tiny or qwen-small")
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    shape = {"architecture": config.model_type, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+             "vocab": config.vocab_size, "dtype": str(dtype).removeprefix("torch.")}
+    return model, shape
+
+
+def make_runner(model: Any) -> Any:
+    """The torch engine's runner over `model`, as runner_from_config builds it (no K/V tier)."""
+    from specdec import tiny
+    from specdec.runtime.kv_cache import SessionCaches
+    from specdec.runtime.loader import LoadedModel
+    from specdec.runtime.runner import ModelRunner
+
+    loaded = LoadedModel(model, tiny.byte_level_tokenizer(), "bench", next(model.parameters()).dtype,
+                         torch.device("cpu"))
+    return ModelRunner(loaded, SessionCaches(64, 1 << 34), max_speculative_tokens=16)
+
+
+# ---- one session's rounds -----------------------------------------------------------------------
+
+
+class Session:
+    """A session of one service growing by a token per round: each call sends what the service
+    lacks (prefix_len = tokens it holds, one new token)."""
+
+    def __init__(self, name: str, history: list[int]):
+        from specdec.fingerprint import PrefixHashes
+
+        self.name = name
+        self.held = history[:-1]
+        self.next = history[-1]
+        self.hashes = PrefixHashes(self.held)
+
+    def advance(self, token: int) -> None:
+        self.held.append(self.next)
+        self.hashes.extend([self.next])
+        self.next = token
+
+
+def random_tokens(n: int, high: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(1, high, (n,), generator=generator).tolist()
+
+
+def tree_parents(nodes: int) -> tuple[int, ...]:
+    """A binary tree of `nodes` nodes listed parents first (node i's parent is node (i-1)//2;
+    on the wire 0 is the root, j > 0 node j − 1)."""
+    return tuple(0 if i < 2 else (i - 2) // 2 + 1 for i in range(nodes))
+
+
+class Rows:
+    """The calls of each row on its own session, for one model at one history length."""
+
+    def __init__(self, runner: Any, history: int, seed: int = 0):
+        from draft_service.proposer import ModelProposer
+        from target_service.verifier import Verifier
+
+        self.runner = runner
+        self.verifier = Verifier(runner)
+        self.proposer = ModelProposer(runner, proposal_top_k=32)
+        self.history = history
+        self.high = min(runner.vocab_size, runner.embedding_size)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def session(self, name: str) -> Session:
+        """A new session whose history the service already holds (prefilled, not counted)."""
+        session = Session(name, random_tokens(self.history, self.high, self.generator))
+        entry = self.runner.new_entry()
+        self.runner.caches.put(name, entry)
+        self.runner.forward(name, entry, session.held, 1)
+        return session
+
+    def verify(self, session: Session, drafts: int, temperature: float = 0.0, tree: int = 0) -> Callable[[], Any]:
+        from specdec.types import SamplingParams, SparseDist
+
+        tokens = random_tokens(drafts, self.high, self.generator)
+        q = [SparseDist.one_hot(token) for token in tokens]
+        parents = tree_parents(drafts) if tree else ()
+        call = self.verifier.call(session.name, len(session.held), session.hashes.at(len(session.held)),
+                                  [session.next], tokens, q, SamplingParams(temperature=temperature), 7,
+                                  draft_parents=parents)
+
+        def run() -> Any:
+            verdict = self.verifier.verify_batch([call])[0]
+            if isinstance(verdict, Exception):
+                raise verdict
+            return verdict
+        return run
+
+    def propose(self, session: Session, gamma: int, temperature: float = 0.0) -> Callable[[], Any]:
+        from specdec.types import SamplingParams
+
+        call = self.proposer.call(session.name, len(session.held), session.hashes.at(len(session.held)),
+                                  [session.next], gamma, SamplingParams(temperature=temperature), 7)
+
+        def run() -> Any:
+            proposal = self.proposer.propose_batch([call])[0]
+            if isinstance(proposal, Exception):
+                raise proposal
+            return proposal
+        return run
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    service: str        # "draft" | "target"
+    gamma: int          # draft steps (draft) or drafts verified (target)
+    temperature: float = 0.0
+    tree: bool = False
+
+
+def row_specs(gammas: list[int], tree_nodes: int) -> list[RowSpec]:
+    rows = [RowSpec("draft step (propose γ=1)", "draft", 1), RowSpec("propose γ=4", "draft", 4),
+            RowSpec("target step (verify, no drafts)", "target", 0)]
+    rows += [RowSpec(f"verify γ={g}", "target", g) for g in gammas]
+    if tree_nodes:
+        rows.append(RowSpec(f"verify tree n={tree_nodes}", "target", tree_nodes, tree=True))
+    rows += [RowSpec("propose γ=4 sampled", "draft", 4, 1.0), RowSpec("target step sampled", "target", 0, 1.0),
+             RowSpec("verify γ=4 sampled", "target", 4, 1.0)]
+    return rows
+
+
+def measure_row(rows: Rows, spec: RowSpec, repeats: int, warmup: int = 2) -> Counts:
+    """Median counts over `repeats` profiled calls, median wall time over as many unprofiled
+    ones; every call is the next round of one session."""
+    session = rows.session(f"{spec.service}-{spec.name}")
+
+    def one_call() -> Callable[[], Any]:
+        if spec.service == "draft":
+            return rows.propose(session, spec.gamma, spec.temperature)
+        return rows.verify(session, spec.gamma, spec.temperature, spec.tree)
+
+    def step(result: Any) -> None:
+        session.advance(result.next_token if spec.service == "target" else result.draft_tokens[0])
+
+    for _ in range(warmup):
+        step(one_call()())
+    counted: list[Counts] = []
+    for _ in range(repeats):
+        result, counts = profile_call(one_call())
+        counted.append(counts)
+        step(result)
+    times = []
+    for _ in range(repeats):
+        call = one_call()
+        started = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - started)
+        step(result)
+    fields = {name: int(statistics.median(getattr(c, name) for c in counted))
+              for name in Counts.__dataclass_fields__ if name != "ms"}
+    return Counts(**fields, ms=statistics.median(times) * 1e3)
+
+
+def per_draft_step(one: Counts, four: Counts) -> dict:
+    """What each draft step after the first adds: (propose γ=4 − propose γ=1) / 3."""
+    return {name: (getattr(four, name) - getattr(one, name)) / 3 for name in Counts.__dataclass_fields__}
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def run(models: list[str], histories: list[int], gammas: list[int], tree_nodes: int, repeats: int) -> dict:
+    specs = row_specs(gammas, tree_nodes)
+    out: dict = {"engine": "torch", "models": {}}
+    for name in models:
+        model, shape = build_model(name)
+        runner = make_runner(model)
+        by_history = {}
+        for history in histories:
+            rows = Rows(runner, history)
+            measured = {spec.name: measure_row(rows, spec, repeats) for spec in specs}
+            step = per_draft_step(measured[specs[0].name], measured[specs[1].name])
+            by_history[str(history)] = {"rows": {k: asdict(v) for k, v in measured.items()},
+                                        "per_draft_step": step}
+            for session in list(runner.caches._entries):
+                runner.release(session)
+        out["models"][name] = {"shape": shape, "histories": by_history}
+    return out
+
+
+def table(document: dict) -> str:
+    head = (f"{'model':<10} {'hist':>5}  {'call':<32} {'aten ops':>8} {'launches':>8} {'syncs':>5} "
+            f"{'items':>5} {'reads':>5} {'sized':>5} {'uploads':>7} {'ms':>8}")
+    lines = [head, "-" * len(head)]
+    for model, entry in document["models"].items():
+        for history, measured in entry["histories"].items():
+            rows = dict(measured["rows"])
+            rows["per draft step (γ=4 − γ=1)/3"] = measured["per_draft_step"]
+            for name, c in rows.items():
+                fmt = (lambda v: f"{v:.1f}") if isinstance(c["aten_ops"], float) else str
+                lines.append(f"{model:<10} {history:>5}  {name:<32} {fmt(c['aten_ops']):>8} {fmt(c['launches']):>8} "
+                             f"{fmt(c['syncs']):>5} {fmt(c['items']):>5} {fmt(c['reads']):>5} {fmt(c['sized']):>5} "
+                             f"{fmt(c['uploads']):>7} {c['ms']:>8.2f}")
+    return "\n".join(lines)
+
+
+def parse_ints(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,qwen-small", help="comma-separated: tiny, qwen-small")
+    parser.add_argument("--histories", type=parse_ints, default=[64, 512],
+                        help="tokens each session holds before its first counted call")
+    parser.add_argument("--gammas", type=parse_ints, default=[1, 4, 8], help="drafts per Verify row")
+    parser.add_argument("--tree-nodes", type=int, default=8, help="nodes of the tree row (0: none)")
+    parser.add_argument("--repeats", type=int, default=3, help="profiled (and timed) calls per row")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    document = run([m.strip() for m in args.models.split(",") if m.strip()], args.histories, args.gammas,
+                   args.tree_nodes, max(1, args.repeats))
+    document.update(date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
+                    threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
+                    repeats=args.repeats)
+    text = table(document)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launches.json").write_text(json.dumps(document, indent=2, ensure_ascii=False))
+    (out / "launches.txt").write_text(text + "\n")
+    print(f"wrote {out / 'launches.json'}, {out / 'launches.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The graph engine behind the services (--backend graph): PagedSessionRunner.
+
+What this module decides:
+- A session's K/V is its block table in one PagedKV pool, allocated at start from the memory
+  budget (--kv-cache-bytes, at most what --max-sessions sessions of the full context take).
+  Its SessionCache holds a `PagedBlocks`, whose pool id is its own (not the session id: a
+  session re-created while its old cache is still referenced gets a new id).
+- Rollback (`crop`) is a length edit; keeping a tree's accepted path moves those nodes' rows
+  in the pool (PagedKV.keep_path). Forwards go through GraphRunner: padded to a bucket, replayed
+  from a CUDA graph where captured, eager otherwise (the CPU runs the same code).
+- The LRU bound of SessionCaches is mapped onto the pool: a session's bytes are its blocks,
+  the byte bound is the pool, and before a forward that needs more blocks than are free the
+  least recently used sessions (never the forward's own) are evicted. Only when that is not
+  enough does the forward fail with RESOURCE_EXHAUSTED.
+- A session released from another thread (`close`) is only marked: its blocks go back to the
+  free list on the model thread, after any forward still running on it (as llama.cpp's
+  sequences are recycled).
+- K/V chunks (--prefix-cache-bytes, --kv-store) read and append a session's rows in the pool:
+  the layout is the torch engine's, keyed for this engine (engine "graph").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from specdec.cores import this_placement
+from specdec.errors import ResourceExhausted
+from specdec.runtime.graph.batch import RowInput
+from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
+from specdec.runtime.graph.model import GraphModel
+from specdec.runtime.graph.paged_kv import PagedKV, blocks_for
+from specdec.runtime.kv_cache import SessionCache, SessionCaches
+from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
+from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.tokenizer import tokenizer_fingerprint
+from specdec.types import ModelDescription
+
+log = logging.getLogger(__name__)
+
+
+class PagedBlocks:
+    """One session's K/V: its id in the pool (the `kv` of its SessionCache)."""
+
+    __slots__ = ("runner", "pool_id", "closed")
+
+    def __init__(self, runner: "PagedSessionRunner", pool_id: str):
+        self.runner = runner
+        self.pool_id = pool_id  # the session's key in runner.kv (unique per cache)
+        self.closed = False  # dropped: its blocks are freed on the model thread
+
+    def nbytes(self) -> int:
+        kv = self.runner.kv
+        entry = kv.sessions.get(self.pool_id)
+        return 0 if entry is None else len(entry.blocks) * kv.spec.bytes_per_block
+
+    def crop(self, held: int, length: int) -> bool:
+        """Keep the first `length` positions: a length edit (whole blocks past it are freed)."""
+        if not self.closed:
+            self.runner.kv.truncate(self.pool_id, length)
+        return True
+
+    def close(self) -> None:
+        """The session is dropped (any thread): its blocks are freed at the next recycle."""
+        if not self.closed:
+            self.closed = True
+            self.runner.closed.append(self.pool_id)
+
+
+def pool_budget(kv_cache_bytes: int, max_sessions: int, context: int, bytes_per_token: int) -> int:
+    """The pool's bytes: --kv-cache-bytes, at most what max_sessions full contexts take."""
+    return min(kv_cache_bytes, max(1, max_sessions) * context * bytes_per_token)
+
+
+class PagedSessionRunner(SessionRunner):
+    """One Llama / Qwen2 / Mistral model on the graph engine, many sessions in one paged pool."""
+
+    def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int, max_speculative_tokens: int,
+                 prefill_chunk: int = 512, block_size: int = 16, buckets: Buckets | None = None,
+                 capture: bool | None = None):
+        """capture: capture CUDA graphs at start (default: on a CUDA device)."""
+        hf = loaded.model
+        self.hf_config = hf.config  # what the K/V tier keys chunks with
+        context = max_context_length(hf, loaded.tokenizer)
+        eos = eos_token_ids(hf, loaded.tokenizer)
+        self.model = GraphModel.from_hf(hf, consume=True)
+        self.device = self.model.device
+        self.tokenizer = loaded.tokenizer
+        self.kv_spec = self.model.pool_spec(block_size)
+        context = min(context, self.model.arch.max_context)
+        budget = pool_budget(kv_cache_bytes, max_sessions, context, self.kv_spec.bytes_per_token)
+        self.kv = PagedKV(self.kv_spec, blocks_for(self.kv_spec, budget))
+        self.graph = GraphRunner(self.model, self.kv, buckets, capture)
+        self.caches = SessionCaches(max_sessions, self.kv.capacity_tokens * self.kv_spec.bytes_per_token)
+        self.closed: collections.deque[str] = collections.deque()  # pool ids of dropped sessions
+        self._ids = itertools.count()
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.tokens_run = 0
+        self.restored = {}
+        self.vocab_size = int(self.model.head.shape[0])
+        self.embedding_size = int(self.model.embed.shape[0])
+        self.context_length = min(context, self.kv.capacity_tokens)
+        self.description = ModelDescription(
+            model_id=loaded.model_id,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer, self.vocab_size),
+            tokenizer_vocab_size=len(loaded.tokenizer),
+            eos_token_ids=eos,
+            max_context_length=self.context_length,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            device=f"graph {self.device}",
+            max_speculative_tokens=max_speculative_tokens,
+            cpu=this_placement(torch.get_num_threads()) if self.device.type == "cpu" else None,
+            verifies_trees=True,
+        )
+        log.info("%s: graph engine, paged K/V pool of %d blocks x %d tokens (%d bytes per token)",
+                 loaded.model_id, self.kv.num_blocks, block_size, self.kv_spec.bytes_per_token)
+
+    def capture(self) -> int:
+        """Capture the buckets' CUDA graphs (before the service reports SERVING); how many."""
+        return self.graph.capture()
+
+    # ---- sessions (model thread, `PagedBlocks.close` aside) -----------------------------------
+
+    def new_entry(self) -> SessionCache:
+        pool_id = f"#{next(self._ids)}"
+        self.kv.new_session(pool_id)
+        return SessionCache(PagedBlocks(self, pool_id))
+
+    @property
+    def verifies_trees(self) -> bool:
+        return True
+
+    @property
+    def grows_trees(self) -> bool:
+        return True
+
+    def keep_path(self, entry: SessionCache, base: int, path: Sequence[int]) -> None:
+        tokens = [entry.tokens[base + node] for node in path]
+        self.kv.keep_path(entry.kv.pool_id, base, path)  # rows moved, length base + len(path)
+        del entry.tokens[base:]  # the token half of entry.crop(base): the pool is edited already
+        entry.hashes.truncate(base)
+        entry.chunks_kept_upto = min(entry.chunks_kept_upto, base)
+        entry.append(tokens)
+
+    def _recycle_closed(self, busy: frozenset[str] = frozenset()) -> None:
+        """Free the blocks of dropped sessions, but for the `busy` ones (a running call's rows)."""
+        for _ in range(len(self.closed)):
+            pool_id = self.closed.popleft()
+            if pool_id in busy:
+                self.closed.append(pool_id)
+            else:
+                self.kv.drop(pool_id)
+
+    def finish(self, keep, extra_bytes: int = 0) -> None:
+        """Apply the cache bounds, with the kept sessions' sizes brought up to date (a crop or a
+        kept path freed blocks); after a call (extra_bytes 0) free every dropped session."""
+        for session_id in [keep] if isinstance(keep, str) else list(keep):
+            entry = self.caches.get(session_id)
+            if entry is not None:
+                self.caches.account(entry)
+        super().finish(keep, extra_bytes)
+        if not extra_bytes:
+            self._recycle_closed()
+
+    def _make_room(self, rows: Sequence[Row]) -> None:
+        """Evict least recently used sessions until the rows' new blocks are free."""
+        busy = frozenset(row.entry.kv.pool_id for row in rows)
+        self._recycle_closed(busy)
+        kv = self.kv
+        needed = sum(max(0, kv.blocks_needed(kv.length(row.entry.kv.pool_id) + len(row.tokens))
+                         - len(kv.sessions[row.entry.kv.pool_id].blocks)) for row in rows)
+        if needed > kv.free_blocks:
+            for row in rows:
+                self.caches.account(row.entry)
+            self.finish([row.session_id for row in rows], needed * kv.spec.bytes_per_block)
+            self._recycle_closed(busy)
+
+    # ---- forwards -----------------------------------------------------------------------------
+
+    def forward_batch(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """Append each row's tokens to its session in ONE forward (rows are distinct sessions);
+        per row, float32 logits of its last keep_logits positions -> [keep_logits, vocab].
+        RESOURCE_EXHAUSTED, nothing appended, when the pool cannot hold the rows even after
+        evicting every other session."""
+        self._make_room(rows)
+        inputs = [RowInput(row.entry.kv.pool_id, list(row.tokens), row.keep_logits, row.tree) for row in rows]
+        try:
+            logits = self.graph.forward(inputs)  # per row [keep_logits, vocab]; rolled back on failure
+        except torch.OutOfMemoryError as exc:
+            tokens = sum(len(row.tokens) for row in rows)
+            raise ResourceExhausted(f"out of device memory running {tokens} tokens: {exc}") from exc
+        for row in rows:
+            row.entry.append(row.tokens)
+            self.caches.account(row.entry)
+            self.tokens_run += len(row.tokens)
+        return [row_logits.float() for row_logits in logits]
+
+    # ---- K/V chunks (kv_tier.py) --------------------------------------------------------------
+
+    def read_chunk(self, entry: SessionCache, begin: int, end: int) -> torch.Tensor:
+        """A copy of the session's K/V at positions [begin, end) -> [layers, 2, kv_heads, n, head_dim]."""
+        return self.kv.read(entry.kv.pool_id, begin, end)
+
+    def load_chunks(self, entry: SessionCache, chunks: list[torch.Tensor], tokens: Sequence[int]) -> None:
+        """Append `tokens` whose K/V are the chunks (each [layers, 2, kv_heads, n, head_dim]) in order."""
+        if sum(chunk.shape[3] for chunk in chunks) != len(tokens):
+            raise ValueError(f"{sum(c.shape[3] for c in chunks)} positions of chunks for {len(tokens)} tokens")
+        self.kv.reserve({entry.kv.pool_id: len(tokens)})  # all or nothing
+        for chunk in chunks:
+            self.kv.extend(entry.kv.pool_id, chunk)
+        entry.append(tokens)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the model (for the weights digest of K/V chunks shared by replicas)."""
+        model = self.model
+        named = {"embed": model.embed, "norm": model.norm, "head": model.head}
+        for i, layer in enumerate(model.layers):
+            for field in dataclasses.fields(layer):
+                tensor = getattr(layer, field.name)
+                if tensor is not None:
+                    named[f"layers.{i}.{field.name}"] = tensor
+        return named
+
+
+def graph_runner_from_config(config: Any, loaded: LoadedModel) -> PagedSessionRunner:
+    """The runner of a ModelServiceConfig on the graph engine; its CUDA graphs captured (on CUDA)."""
+    rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
+    runner = PagedSessionRunner(loaded, config.max_sessions, config.kv_cache_bytes, config.max_speculative_tokens,
+                                config.prefill_chunk, buckets=Buckets(rows=rows))
+    captured = runner.capture()
+    if captured:
+        log.info("%s: %d CUDA graphs captured", config.model, captured)
+    return runner
