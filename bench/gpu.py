@@ -57,6 +57,7 @@ from bench import gpu_models, gpu_report, gpu_steps, report, speedup  # noqa: E4
 from bench.gpu_steps import Clock, Engine  # noqa: E402
 from bench.prompts import PROMPTS  # noqa: E402
 from specdec.config import choices_of  # noqa: E402
+from specdec.tokenizer import ModelLoadError  # noqa: E402
 from specdec.types import Backend  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 
@@ -176,7 +177,7 @@ def engine_step(run: Run, shape: dict, models: dict, name: str, held: dict, cloc
     try:
         engine = gpu_steps.open_engine(name, models["target"].path, args.dtype, args.device,
                                        args.history + max(args.sizes))
-    except (ImportError, ValueError) as exc:  # ModelLoadError is a ValueError
+    except (ImportError, ModelLoadError) as exc:
         raise Skip(f"the {name} engine is not available here: {type(exc).__name__}: {exc}") from exc
     high = gpu_models.load_tokenizer(args.tokenizer).vocab_size
     result = {"curve": gpu_steps.curve(engine, torch.device(args.device), args.history, args.sizes,

@@ -82,23 +82,20 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int, clock: Clock
 
 # ---- the engines, in-process ------------------------------------------------------------------
 
-class TorchEngine:
-    """specdec's torch engine (transformers' eager modules) on one session."""
+class SessionEngine:
+    """One session on an engine's SessionRunner, the interface the services call: a decode step
+    or a verification is `forward` on a session's cache entry, rollback its `crop`."""
 
-    name = Engine.TORCH
-
-    def __init__(self, path: str, dtype: str, device: str):
-        from specdec.config import TargetConfig
-        from specdec.runtime.engines import runner_from_config
-
-        self.runner = runner_from_config(TargetConfig(model=path, backend="torch", dtype=dtype, device=device,
-                                                      max_speculative_tokens=64, prefix_cache_bytes=0))
-        self.entry = None
-        self.details: dict = {}
+    def __init__(self, name: str, runner: Any, details: dict):
+        self.name = name  # an Engine
+        self.runner = runner  # a specdec.runtime SessionRunner
+        self.details = details  # what the JSON reports about the engine (graphs captured ...)
+        self.entry = None  # the session's cache entry once started
 
     @property
     def hf_model(self) -> Any:
-        return self.runner.model
+        """The transformers model (the torch engine's; the graph engine consumed its own)."""
+        return self.runner.model if self.name == Engine.TORCH else None
 
     def start(self, tokens: Sequence[int]) -> None:
         self.entry, feed = self.runner.begin("bench", 0, 0, list(tokens))
@@ -111,55 +108,45 @@ class TorchEngine:
         self.entry.crop(length)
 
     def close(self) -> None:
+        if hasattr(self.runner, "graph"):
+            self.details.update(replays=self.runner.graph.replays, eager_runs=self.runner.graph.eager_runs)
         self.runner.release("bench")
 
 
-class GraphEngine:
-    """The graph engine's runner on one session: buckets of 1 session × 1..16 tokens captured
-    at start on CUDA (eager beyond them, and everywhere without CUDA)."""
+def torch_engine(path: str, dtype: str, device: str) -> SessionEngine:
+    from specdec.config import TargetConfig
+    from specdec.runtime.engines import runner_from_config
 
-    name = Engine.GRAPH
-
-    def __init__(self, path: str, dtype: str, device: str, tokens: int):
-        """tokens: the longest session measured (the pool and the buckets' context are sized to it)."""
-        from specdec.runtime.graph.cuda_graphs import DECODE_AND_VERIFY_TOKENS, TREE_WINDOW, Buckets, GraphRunner
-        from specdec.runtime.graph.model import GraphModel
-        from specdec.runtime.graph.paged_kv import PagedKV
-
-        model, _tokenizer = GraphModel.load(path, dtype, device)
-        spec = model.pool_spec()
-        blocks = -(-tokens // spec.block_size)
-        buckets = Buckets(rows=(1,), tokens=DECODE_AND_VERIFY_TOKENS, blocks=(blocks,), window=TREE_WINDOW)
-        self.runner = GraphRunner(model, PagedKV(spec, blocks + 2), buckets)
-        start = time.perf_counter()
-        graphs = self.runner.capture()
-        self.details = {"graphs_captured": graphs, "capture_s": time.perf_counter() - start,
-                        "buckets": [list(map(int, (s.rows, s.tokens, s.blocks, s.window))) for s in self.runner.shapes]}
-        self.hf_model = None
-
-    def start(self, tokens: Sequence[int]) -> None:
-        from specdec.runtime.graph.batch import RowInput
-
-        self.runner.kv.new_session("bench")
-        self.runner.forward([RowInput("bench", list(tokens), 1)])
-
-    def step(self, tokens: Sequence[int]) -> None:
-        from specdec.runtime.graph.batch import RowInput
-
-        self.runner.forward([RowInput("bench", list(tokens), len(tokens))])
-
-    def rollback(self, length: int) -> None:
-        self.runner.kv.truncate("bench", length)
-
-    def close(self) -> None:
-        self.details.update(replays=self.runner.replays, eager_runs=self.runner.eager_runs)
-        self.runner.kv.drop("bench")
+    runner = runner_from_config(TargetConfig(model=path, backend=Engine.TORCH.value, dtype=dtype, device=device,
+                                             max_speculative_tokens=64, prefix_cache_bytes=0))
+    return SessionEngine(Engine.TORCH, runner, {})
 
 
-def open_engine(name: str, path: str, dtype: str, device: str, tokens: int):
-    if name == Engine.TORCH:
-        return TorchEngine(path, dtype, device)
-    return GraphEngine(path, dtype, device, tokens)
+def graph_engine(path: str, dtype: str, device: str, tokens: int) -> SessionEngine:
+    """The graph engine's runner (the services' --backend graph) with the buckets one session
+    needs: 1 session × 1..16 tokens over `tokens` of context, captured on CUDA (eager beyond them,
+    and everywhere without CUDA)."""
+    from specdec.runtime.graph.cuda_graphs import DECODE_AND_VERIFY_TOKENS, TREE_WINDOW, Buckets
+    from specdec.runtime.graph.paged_kv import DEFAULT_BLOCK_SIZE
+    from specdec.runtime.graph.runner import PagedSessionRunner
+    from specdec.runtime.loader import load_model
+
+    blocks = -(-tokens // DEFAULT_BLOCK_SIZE)
+    buckets = Buckets(rows=(1,), tokens=DECODE_AND_VERIFY_TOKENS, blocks=(blocks,), window=TREE_WINDOW)
+    loaded = load_model(path, dtype, device)
+    per_token = 2 * loaded.model.config.num_hidden_layers * loaded.model.config.num_key_value_heads * \
+        (loaded.model.config.hidden_size // loaded.model.config.num_attention_heads) * loaded.dtype.itemsize
+    runner = PagedSessionRunner(loaded, 2, (blocks + 2) * DEFAULT_BLOCK_SIZE * per_token, 64,
+                                block_size=DEFAULT_BLOCK_SIZE, buckets=buckets)
+    start = time.perf_counter()
+    graphs = runner.capture()
+    return SessionEngine(Engine.GRAPH, runner, {
+        "graphs_captured": graphs, "capture_s": time.perf_counter() - start,
+        "buckets": [[s.rows, s.tokens, s.blocks, s.window] for s in runner.graph.shapes]})
+
+
+def open_engine(name: str, path: str, dtype: str, device: str, tokens: int) -> SessionEngine:
+    return torch_engine(path, dtype, device) if name == Engine.TORCH else graph_engine(path, dtype, device, tokens)
 
 
 def curve(engine, device: torch.device, history: int, sizes: Sequence[int], repeats: int, high: int,
