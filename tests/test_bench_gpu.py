@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu, report
-from bench.gpu import Planner
+from bench.gpu_budget import Planner, Run, Status
 from bench.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,13 +36,13 @@ def test_each_step_gets_its_share_of_the_time_left():
 @pytest.mark.unit
 def test_a_step_without_time_is_skipped_and_says_why(tmp_path):
     args = gpu.parse_args(["--device", "cpu", "--quick", "--deadline-s", "1", "--out", str(tmp_path / "g.json")])
-    run = gpu.Run(args, {"steps": []})
+    run = Run(args, {"steps": []})
     run.planner.weight_left = 1000.0  # many steps ahead: this one's share is far below its least
     ran = []
     assert run.step("a service step", "selfdraft", False, lambda clock: ran.append(clock)) is None
     assert not ran
     step = json.loads((tmp_path / "g.json").read_text())["steps"][0]
-    assert step["status"] == gpu.Status.SKIPPED and "no time left" in step["reason"]
+    assert step["status"] == Status.SKIPPED and "no time left" in step["reason"]
 
 
 @pytest.mark.unit
@@ -53,6 +53,26 @@ def test_bad_flags_are_refused_with_the_choices(capsys):
         with pytest.raises(SystemExit):
             gpu.parse_args(["--device", "cpu", *argv])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.process
+def test_past_the_deadline_the_watchdog_writes_what_was_measured_and_exits(tmp_path):
+    out = tmp_path / "gpu.json"
+    script = f"""
+import time
+from bench import gpu, gpu_budget
+gpu_budget.GRACE_S = 0.2
+args = gpu.parse_args(["--device", "cpu", "--deadline-s", "0.3", "--out", {str(out)!r}])
+run = gpu_budget.Run(args, {{"steps": [{{"name": "a step that hangs"}}], "shapes": {{"tiny": {{"build_s": 1.5}}}}}})
+run.watchdog()
+time.sleep(30)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["aborted"] == "stopped 0 s past the deadline, in step a step that hangs"
+    assert doc["shapes"]["tiny"]["build_s"] == 1.5
 
 
 @pytest.mark.process
