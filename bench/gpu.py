@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -382,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                     10, clock))
         document["bandwidth"] = bandwidth or {}
         for name in args.shapes:
-            run_shape(run, name)
+            try:
+                run_shape(run, name)
+            except Exception as exc:  # noqa: BLE001 - outside any step: the next shape still runs
+                traceback.print_exc()
+                document["shapes"].setdefault(name, {})["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
         timer.cancel()
     document["targets"] = gpu_report.targets(document["shapes"])
