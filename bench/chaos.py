@@ -11,7 +11,7 @@ Hosts (bench/netns.py): Redis, 2 draft, 2 target and 2 coordinator replicas, eac
 namespace of its own behind a delaying TCP proxy (bench/link_proxy.py: every link one-way
 --link-delay-ms ± --link-jitter-ms); the clients run in the root namespace, another host. Where
 namespaces cannot be made the hosts are all 127.0.0.1 (the table says so). Models: a tiny random
-pair in float64 (specdec.tiny), so greedy output can be compared token for token.
+pair in float64 (specdec_cli.tiny), so greedy output can be compared token for token.
 
 Clients: --sessions workers, each a loop of requests to a random coordinator: new or continued
 sessions, greedy or seeded sampling, a fixed or adaptive γ, proposers auto, draft and ngram;
@@ -474,7 +474,7 @@ def run_chaos(args, echo=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="specdec-chaos-") as tmp_name, \
             TestHosts(list(HOSTS), loopback=args.loopback) as hosts:
         tmp = Path(tmp_name)
-        from specdec.tiny import build_pair
+        from specdec_cli.tiny import build_pair
         from specdec.tokenizer import load_tokenizer
 
         draft, target = (str(p) for p in build_pair(tmp / "models"))

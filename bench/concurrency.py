@@ -6,7 +6,7 @@ Usage:
   python bench/concurrency.py --max-batch-size 1           # the same, services never batch
 
 Without a fetched pair and without --draft-model/--target-model it builds a tiny random pair
-(specdec.tiny; its text is noise and its draft is unrelated to its target) and says so.
+(specdec_cli.tiny; its text is noise and its draft is unrelated to its target) and says so.
 The three services run as `specdec up` subprocesses (batching flags through the environment);
 each level starts C concurrent streaming greedy sessions of --max-new-tokens tokens, once per
 entry of --gammas (default auto,4,0): "auto" leaves num_speculative_tokens and proposer unset, so
@@ -53,13 +53,13 @@ def pick_models(args) -> tuple[str, str, str]:
     """(draft, target, what they are)."""
     if args.draft_model and args.target_model:
         return args.draft_model, args.target_model, "given"
-    from specdec.models import FetchError, default_pair
+    from specdec_cli.model_pair import FetchError, default_pair
 
     try:
         pair = default_pair()
         return str(pair["draft"]), str(pair["target"]), "the fetched real pair"
     except FetchError:
-        from specdec import tiny
+        from specdec_cli import tiny
 
         root = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         draft, target = tiny.build_pair(root, width=args.tiny_width, layers=args.tiny_layers, context=2048)
@@ -77,7 +77,8 @@ def pick_models(args) -> tuple[str, str, str]:
 def forward_costs(target: str, dtype: str, history: int, repeats: int) -> list[dict]:
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import load_model
-    from specdec.runtime.runner import ModelRunner, Row
+    from specdec.runtime.runner import ModelRunner
+    from specdec.runtime.session_runner import Row
 
     runner = ModelRunner(load_model(target, dtype), SessionCaches(1024, 1 << 40), 16)
     rng = random.Random(0)

@@ -123,7 +123,7 @@ def configurations(args) -> list[list[dict]]:
     a group are measured together."""
     groups = []
     if args.tiny:
-        from specdec.tiny import build_pair
+        from specdec_cli.tiny import build_pair
         from tests.gguf_writer import write_llama_gguf
 
         root = Path(tempfile.mkdtemp(prefix="specdec-engines-"))
@@ -132,7 +132,7 @@ def configurations(args) -> list[list[dict]]:
         ggufs = {role: str(write_llama_gguf(path, root / f"{role}.gguf")) for role, path in dirs.items()}
         dtypes = ["float32"] if args.dtypes == DEFAULT_DTYPES else args.dtypes.split(",")
     else:
-        from specdec.models import default_gguf_pair, default_pair
+        from specdec_cli.model_pair import default_gguf_pair, default_pair
 
         dirs = {k: str(v) for k, v in default_pair().items()}
         ggufs = {k: str(v) for k, v in default_gguf_pair().items()}

@@ -145,13 +145,13 @@ def pick_models(args) -> tuple[list[tuple[str, str]], str]:
     """([(role, model dir)], what they are)."""
     if args.model:
         return [("model", args.model)], "given"
-    from specdec.models import FetchError, default_pair
+    from specdec_cli.model_pair import FetchError, default_pair
 
     try:
         pair = default_pair()
         return [("draft", str(pair["draft"])), ("target", str(pair["target"]))], "the fetched real pair"
     except FetchError:
-        from specdec import tiny
+        from specdec_cli import tiny
 
         root = Path(tempfile.mkdtemp(prefix="specdec-kv-"))
         draft, target = tiny.build_pair(root, width=64, layers=4, context=max(args.lengths_list) + 64)

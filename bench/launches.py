@@ -33,7 +33,7 @@ Rows: a draft step (Propose γ=1), a Propose of γ=4 (the per-step cost is the d
 a target step (a Verify with no drafts, as a target-only round sends), Verify of each --gammas
 drafts (rejected: a round of a random draft), a Verify of a --tree-nodes tree, and sampled
 (temperature 1) calls: Propose γ=4, a target step, Verify γ=4. Each row at each --histories length: counts that grow
-with the history are per-call work that grows with the context. Models: `tiny` (specdec.tiny's
+with the history are per-call work that grows with the context. Models: `tiny` (specdec_cli.tiny's
 llama, width 32, 2 layers, float32) and `qwen-small` (Qwen2.5-0.5B's shape — hidden 896, 14
 heads, 2 K/V heads, MLP 4864, vocabulary 151,936 — with 2 layers instead of 24, bfloat16,
 random weights): per layer, a real model runs the same operations, so launches scale with its
@@ -184,7 +184,7 @@ def build_model(name: str, seed: int = 0) -> tuple[Any, dict]:
     """(a random model in eval mode, a description of it) for `tiny` or `qwen-small`."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from specdec import tiny
+    from specdec_cli import tiny
 
     torch.manual_seed(seed)
     if name == "tiny":
@@ -205,7 +205,7 @@ def build_model(name: str, seed: int = 0) -> tuple[Any, dict]:
 
 def make_runner(model: Any) -> Any:
     """The torch engine's runner over `model`, as runner_from_config builds it (no K/V tier)."""
-    from specdec import tiny
+    from specdec_cli import tiny
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import LoadedModel
     from specdec.runtime.runner import ModelRunner

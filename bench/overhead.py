@@ -7,10 +7,10 @@ Usage:
                            [--pair random|near] [--link-delay-ms 0,0.2,0.5,1,2]
                            [--link-jitter-ms J] [--link-repeats 4]
 
-Builds a tiny random pair (specdec.tiny) and runs the draft, target and coordinator servers as
+Builds a tiny random pair (specdec_cli.tiny) and runs the draft, target and coordinator servers as
 separate processes on loopback (real gRPC; the in-process session store unless --store names a
 Redis), as in production. --overlap off runs the coordinator with the session-store write of a
-round awaited before the next round starts (the engine's `overlap_store` off), to measure what
+round awaited before the next round starts (the round loop's `overlap_store` off), to measure what
 the overlap saves; on,off runs both, one coordinator process after the other. --transport
 picks how the coordinator sends Propose and Verify (its --rpc-transport): on one long-lived call
 stream per service, or as unary calls; stream,unary (the default) runs both the same way.
@@ -26,7 +26,7 @@ batch scheduler, the hops to the model thread and back; timed around the service
 `verify`, which unary and streamed calls share); `grpc` = the coordinator's calls beyond that
 (transport, (de)serialisation, interceptors, a streamed call's dispatch, both event loops);
 `store` = the coordinator's session-store writes; `rest` = what no call or write covers (the
-engine's own Python, streaming the chunk to the client). Two bare unary gRPC calls
+round loop's own Python, streaming the chunk to the client). Two bare unary gRPC calls
 (GetModelInfo on draft and target) are timed as the floor. A second table gives each process's
 CPU time per round (coordinator, client, draft, target; read from /proc at each stream's ends),
 which says where the time goes when the processes share a few cores: there a round's wall time
@@ -82,7 +82,7 @@ sys.path.insert(0, str(ROOT))
 from draft_service import server as draft_server  # noqa: E402
 from bench import transport_floor  # noqa: E402
 from bench.processes import cpu_columns, cpu_of, cpu_spent, free_port  # noqa: E402
-from specdec import tiny  # noqa: E402
+from specdec_cli import tiny  # noqa: E402
 from specdec.config import DraftConfig, TargetConfig  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import (  # noqa: E402
@@ -179,18 +179,18 @@ def serve(args) -> int:
 async def serve_coordinator(args) -> int:
     """Child process: the coordinator with its Propose/Verify calls and store writes timed."""
     from coordinator import server as coordinator_server
-    from coordinator.clients import DraftClient, TargetClient
-    from coordinator.engine import Engine
+    from coordinator.sessions.clients import DraftClient, TargetClient
+    from coordinator.round_loop import RoundLoop
     from specdec.config import CoordinatorConfig
 
     calls, saves = Intervals(), Intervals()
     DraftClient.propose = calls.wrap_async(DraftClient.propose)
     TargetClient.verify = calls.wrap_async(TargetClient.verify)
-    Engine.overlap_store = args.overlap == "on"
+    RoundLoop.overlap_store = args.overlap == "on"
     running = await coordinator_server.start(CoordinatorConfig(
         draft=args.draft, target=args.target, port=args.port, session_store=args.store,
         rpc_transport=args.transport, draft_ahead=args.draft_ahead, tiers_share_cores=args.tiers_share_cores))
-    store = running.engine.store
+    store = running.round_loop.store
     store.save = saves.wrap_async(store.save)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     Path(args.spans).write_text(json.dumps({"calls": calls.spans, "saves": saves.spans}))

@@ -5,7 +5,7 @@ Usage:
   python bench/policy_sim.py [--seeds 100] [--rounds 60] [--draft-alpha 0.8] [--copy-alpha 0.95]
                              [--new-alpha 0.15,0.25] [--cost-ratio 0.35]
 
-No model runs: each round the policy (coordinator/speculation.py, as the coordinator uses it)
+No model runs: each round the policy (coordinator/policy/speculation.py, as the coordinator uses it)
 chooses a source and γ, and the simulation accepts each proposed token with that source's α
 until the first rejection. Prompt lookup matches a suffix of 1, 2 or 3 tokens at random; in a
 copying session its α grows with the match length (α·(0.6 + 0.2·n)), in new text it is flat.
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.policy import CostModel  # noqa: E402
-from coordinator.speculation import FixedCosts, Speculation  # noqa: E402
+from coordinator.policy.estimates import CostModel  # noqa: E402
+from coordinator.policy.speculation import FixedCosts, Speculation  # noqa: E402
 from specdec.types import Proposer  # noqa: E402
 
 ORDER = ("copy", "copy", "copy", "new", "new", "copy", "new")  # the sessions of one coordinator
@@ -42,7 +42,7 @@ def sloped_costs() -> CostModel:
     for n in range(1, 10):
         costs.observe_verify(n, 0.24 + 0.015 * (n - 1))
         costs.observe_propose(Proposer.DRAFT, n, 0.08 * n)
-        costs.observe_propose(Proposer.NGRAM, n, 0.0001)
+        costs.observe_propose(Proposer.PROMPT_LOOKUP, n, 0.0001)
     return costs
 
 
@@ -54,13 +54,13 @@ def run_session(spec: Speculation, name: str, lookup_alpha, draft_alpha: float, 
     lookups = 0
     for _ in range(rounds):
         order = rng.choice((1, 2, 3))
-        choice = request.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
-        request._order = order if choice.source == Proposer.NGRAM else 0
-        alpha = lookup_alpha(order) if choice.source == Proposer.NGRAM else draft_alpha
+        choice = request.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
+        request._order = order if choice.source == Proposer.PROMPT_LOOKUP else 0
+        alpha = lookup_alpha(order) if choice.source == Proposer.PROMPT_LOOKUP else draft_alpha
         accepted = 0
         while accepted < choice.gamma and rng.random() < alpha:
             accepted += 1
-        lookups += choice.source == Proposer.NGRAM
+        lookups += choice.source == Proposer.PROMPT_LOOKUP
         tokens += accepted + 1
         cost += 1.0 if choice.gamma == 0 else spec.costs.relative_cost(choice.source, choice.gamma)
         request.observe(choice.source, choice.gamma, accepted, propose_seconds=None, verify_seconds=None,
@@ -84,7 +84,7 @@ def main() -> int:
         by_kind: dict[str, list[tuple[float, int]]] = {"copy": [], "new": []}
         for seed in range(args.seeds):
             rng = random.Random(seed)
-            spec = Speculation(8, 4, 3, 8)
+            spec = Speculation(8, 4)
             spec.costs = FixedCosts(args.cost_ratio) if model == "flat" else sloped_costs()
             new_turn = 0
             for i, kind in enumerate(ORDER):

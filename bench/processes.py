@@ -47,14 +47,14 @@ def model_pair(args, script: str, **tiny_options) -> tuple[str, str]:
     """(draft, target) of a benchmark: a tiny random pair built here (--tiny, built with
     `tiny_options`), the --draft-model and --target-model given, or the fetched pair."""
     if args.tiny:
-        from specdec.tiny import build_pair
+        from specdec_cli.tiny import build_pair
 
         root = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         draft, target = build_pair(root, "llama", **tiny_options)
         return str(draft), str(target)
     if args.draft_model and args.target_model:
         return args.draft_model, args.target_model
-    from specdec.models import FetchError, default_pair
+    from specdec_cli.model_pair import FetchError, default_pair
 
     try:
         pair = default_pair()

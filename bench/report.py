@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from coordinator.policy import leviathan_speedup
+from coordinator.policy.estimates import leviathan_speedup
 
 TARGET_ONLY = "specdec target-only"
 AUTO = "specdec auto"
@@ -82,7 +82,7 @@ def analyse_prompt(runs: dict[str, dict]) -> dict:
                        best_draft_bound_fraction=drafts[best_draft]["bound_fraction"])
     if LOOKUP in runs:
         s = runs[LOOKUP]["stats"]
-        summary["ngram_alpha"] = (s["ngram_accepted_tokens"] / s["ngram_draft_tokens"]
+        summary["lookup_alpha"] = (s["ngram_accepted_tokens"] / s["ngram_draft_tokens"]
                                   if s["ngram_draft_tokens"] else 0.0)
     for family, prefix in PEERS.items():
         peers = {m: r for m, r in runs.items() if m.startswith(prefix)}
@@ -105,7 +105,7 @@ def overall(prompts: list[dict]) -> dict:
 
     out: dict[str, Any] = {}
     ratios = [f"{method} / best {family}" for family in PEERS for method in (AUTO, LOOKUP)]
-    for key in ("auto_speedup", *ratios, "best_draft_bound_fraction", "alpha", "c", "ngram_alpha"):
+    for key in ("auto_speedup", *ratios, "best_draft_bound_fraction", "alpha", "c", "lookup_alpha"):
         values = collect(key)
         if values:
             out[f"median {key}"] = statistics.median(values)
@@ -140,7 +140,7 @@ def table(prompts: list[dict], methods: list[str]) -> str:
             f"{p['name']:<22} {p['kind']:<18} {s['target_only_tps']:>6.2f} {cells}{peers} "
             f"{s.get('alpha', float('nan')):>5.2f} "
             f"{s.get('c', float('nan')):>5.2f} {bound:>9} {s.get('best_draft_bound_fraction', float('nan')):>6.2f} "
-            f"{s.get('ngram_alpha', float('nan')):>5.2f}")
+            f"{s.get('lookup_alpha', float('nan')):>5.2f}")
     lines.append("columns: speed-up of decode tokens/s over specdec target-only; auto/HF, auto/ls = "
                  "specdec auto over the best HF / llama-server method of the prompt; α, c = the draft model's acceptance and cost "
                  "ratio (pooled over its fixed-γ runs); bound = Leviathan's speed-up for that α and c at "

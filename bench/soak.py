@@ -216,7 +216,7 @@ def run_soak(sessions: int = 32, seconds: float = 120.0, draft_model: str = "", 
     with tempfile.TemporaryDirectory(prefix="specdec-soak-") as tmp:
         try:
             if not draft_model:
-                from specdec.tiny import build_pair
+                from specdec_cli.tiny import build_pair
 
                 draft, target = build_pair(tmp)
                 draft_model, target_model = str(draft), str(target)

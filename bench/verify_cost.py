@@ -54,7 +54,7 @@ def main() -> int:
     from specdec.runtime.loader import load_model
     from specdec.runtime.runner import ModelRunner
     from specdec.runtime.session_runner import Row
-    from specdec.tree import TokenTree
+    from specdec.maths.tree import TokenTree
 
     if args.threads:
         torch.set_num_threads(args.threads)

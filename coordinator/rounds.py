@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from specdec.fingerprint import PrefixHashes
+from specdec.maths.tree import TokenTree
 from specdec.rng import RequestRng, RoundSeeds
-from specdec.tree import TokenTree
 from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, TokenLogprobs, Verdict
 
-from coordinator.speculation import Plan, RequestSpeculation
+from coordinator.policy.speculation import Plan, RequestSpeculation
 from coordinator.stats import GenerationStats
-from coordinator.store import SessionRecord
-from coordinator.tiers import Tier
+from coordinator.sessions.store import SessionRecord
+from coordinator.sessions.model_tiers import Tier
 
 NO_PROPOSAL = Proposal([], [])
 

@@ -25,15 +25,15 @@ from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerpr
 from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.clients import DraftClient, ServiceClient, TargetClient
-from coordinator.discovery import DiscoveryError, from_config as discovery_from_config
-from coordinator.engine import Engine
-from coordinator.openai_api import create_app
-from coordinator.openai_protocol import served_model_names
-from coordinator.routing import ReplicaPool, Routes
-from coordinator.servicer import CoordinatorServicer
-from coordinator.stores import open_store
-from coordinator.tiers import Tier
+from coordinator.sessions.clients import DraftClient, ServiceClient, TargetClient
+from coordinator.sessions.discovery import DiscoveryError, from_config as discovery_from_config
+from coordinator.round_loop import RoundLoop
+from coordinator.api.openai_api import create_app
+from coordinator.api.openai_protocol import served_model_names
+from coordinator.sessions.routing import ReplicaPool, Routes
+from coordinator.api.servicer import CoordinatorServicer
+from coordinator.sessions.stores import open_store
+from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class HttpApiServer:
-    """The OpenAI-compatible HTTP API (coordinator/openai_api.py), served by uvicorn beside the
+    """The OpenAI-compatible HTTP API (coordinator/api/openai_api.py), served by uvicorn beside the
     gRPC server, in the same event loop, with the gRPC port's TLS certificates."""
 
     def __init__(self, server: uvicorn.Server, task: asyncio.Task, port: int):
@@ -145,7 +145,7 @@ class HttpApiServer:
         self.port = port  # the bound port (what -1 picked)
 
     @classmethod
-    async def start(cls, engine: Engine, config: CoordinatorConfig, api_key: str | None) -> "HttpApiServer":
+    async def start(cls, round_loop: RoundLoop, config: CoordinatorConfig, api_key: str | None) -> "HttpApiServer":
         if not -1 <= config.http_port <= 65535:
             raise StartupError(f"--http-port must be a port number, 0 (off) or -1 (any free port), "
                                f"got {config.http_port}")
@@ -154,8 +154,8 @@ class HttpApiServer:
         tls = bool(config.tls_cert_file and config.tls_key_file)  # as the gRPC port (Security checked it)
         mutual = tls and bool(config.tls_client_ca_file)
         settings = uvicorn.Config(
-            create_app(engine, api_key, config.http_max_body_bytes,
-                       served_model_names(config.served_model_name, engine.target_info.model_id)),
+            create_app(round_loop, api_key, config.http_max_body_bytes,
+                       served_model_names(config.served_model_name, round_loop.target_info.model_id)),
             lifespan="off", log_level="warning",
             access_log=False, ssl_certfile=config.tls_cert_file if tls else None,
             ssl_keyfile=config.tls_key_file if tls else None,
@@ -189,14 +189,14 @@ class HttpApiServer:
 class RunningCoordinator:
     server: grpc.aio.Server
     port: int
-    engine: Engine
+    round_loop: RoundLoop
     metrics_server: MetricsServer | None = None
     http: HttpApiServer | None = None  # the OpenAI-compatible API (--http-port), None when off
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """The model names the HTTP API answers to (--served-model-name, else the target's)."""
-        return served_model_names(self.engine.config.served_model_name, self.engine.target_info.model_id)
+        return served_model_names(self.round_loop.config.served_model_name, self.round_loop.target_info.model_id)
 
     @property
     def http_port(self) -> int | None:
@@ -209,8 +209,8 @@ class RunningCoordinator:
         await self.server.stop(grace)
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        await self.engine.store.close()
-        await self.engine.routes.close()
+        await self.round_loop.store.close()
+        await self.round_loop.routes.close()
 
 
 def open_routes(config: CoordinatorConfig, upstream: grpc.ChannelCredentials | None) -> Routes:
@@ -285,12 +285,12 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         log.warning("%s", exc)
     metrics = Metrics("coordinator")
     try:
-        engine = Engine(config, store, routes, tokenizer, draft_info, target_info, metrics)
+        round_loop = RoundLoop(config, store, routes, tokenizer, draft_info, target_info, metrics)
         metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
     except (ValueError, OSError) as exc:
         await asyncio.gather(store.close(), routes.close())
         raise StartupError(str(exc)) from exc
-    servicer = CoordinatorServicer(engine)
+    servicer = CoordinatorServicer(round_loop)
     if security.api_key and not security.server:
         log.warning("--api-key-file without --tls-cert-file: clients send the API key in clear text")
     try:
@@ -306,7 +306,7 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
     http = None
     if config.http_port:
         try:
-            http = await HttpApiServer.start(engine, config, security.api_key)
+            http = await HttpApiServer.start(round_loop, config, security.api_key)
         except BaseException:
             await server.stop(None)
             if metrics_server is not None:
@@ -316,6 +316,6 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
         log.info("OpenAI-compatible HTTP API on %s:%d", config.host, http.port)
     log.info("coordinator on %s:%d (%s; %s; %s%s)", config.host, port, routes.discovery.describe(),
              routes.describe(), security.describe(),
-             "" if engine.draft_model.beside_verification else "; the tiers share CPU cores: the draft "
+             "" if round_loop.draft_model.beside_verification else "; the tiers share CPU cores: the draft "
              "never works beside a verification")
-    return RunningCoordinator(server, port, engine, metrics_server, http)
+    return RunningCoordinator(server, port, round_loop, metrics_server, http)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from specdec.tree import TokenTree, tree_outcome
+from specdec.maths.tree import TokenTree, tree_outcome
 from specdec.types import Proposer
 
-from coordinator.tiers import Tier
+from coordinator.sessions.model_tiers import Tier
 
 PER_REQUEST = frozenset({"gamma_per_round"})  # fields that describe one request, never summed
 
@@ -74,7 +74,7 @@ class GenerationStats:
     def record_round(self, gamma: int, accepted: int, source: Proposer = Proposer.DRAFT,
                      hints_kept: int = 0, tree: TokenTree | None = None,
                      accepted_nodes: tuple[int, ...] = (), lookup_nodes: int = 0) -> None:
-        """One round: γ tokens proposed by `source` (DRAFT, NGRAM; NONE when γ is 0), the first
+        """One round: γ tokens proposed by `source` (DRAFT, PROMPT_LOOKUP; NONE when γ is 0), the first
         `hints_kept` of a draft round being prompt-lookup hints the draft model kept; a tree
         round's γ tokens are `tree`'s nodes, of which the target accepted the path
         `accepted_nodes`, and whose last `lookup_nodes` nodes are prompt lookup's branches."""
@@ -83,7 +83,7 @@ class GenerationStats:
         self.rounds += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
-        if gamma and source == Proposer.NGRAM:
+        if gamma and source == Proposer.PROMPT_LOOKUP:
             self.ngram_rounds += 1
             self.ngram_draft_tokens += gamma
             self.ngram_accepted_tokens += accepted

@@ -25,7 +25,7 @@ from specdec.errors import InvalidArgument
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
-from specdec.sampling import proposal_top_k
+from specdec.maths.sampling import proposal_top_k
 from specdec.types import Proposal, SamplingParams, SparseDist
 
 from draft_service.tree_proposer import grow_trees

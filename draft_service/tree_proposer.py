@@ -23,8 +23,8 @@ import torch
 
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
-from specdec.sampling import proposal_top_k
-from specdec.tree import TREE_WIDTH, TokenTree, subtree
+from specdec.maths.sampling import proposal_top_k
+from specdec.maths.tree import TREE_WIDTH, TokenTree, subtree
 from specdec.types import Proposal, SamplingParams, SparseDist
 
 

@@ -197,13 +197,6 @@ class Metrics:
     def observe_batch(self, size: int) -> None:
         self.batch_size.observe(size)
 
-    def set_cache(self, sessions: int, nbytes: int) -> None:
-        self.cached_sessions.set(sessions)
-        self.kv_cache_bytes.set(nbytes)
-
-    def set_queue_depth(self, depth: int) -> None:
-        self.queue_depth.set(depth)
-
     def watch(self, **gauges: Callable[[], float]) -> None:
         """Gauges read when /metrics is scraped: `watch(queue_depth=lambda: worker.queue_depth)`
         (active_sessions, cached_sessions, kv_cache_bytes, queue_depth)."""

@@ -23,7 +23,9 @@ class Proposer(StrEnum):
 
     AUTO = "auto"    # per round, whichever source the policy expects to pay most
     DRAFT = "draft"  # the draft model (the draft service)
-    NGRAM = "ngram"  # prompt lookup in the session's own history (no model call)
+    # prompt lookup in the session's own history (no model call); its value, the wire enum's
+    # PROPOSER_NGRAM and the flags keep the old name "ngram"
+    PROMPT_LOOKUP = "ngram"
     NONE = "none"    # no proposals: plain target decoding
 
 
@@ -161,7 +163,7 @@ def check_top_logprobs(top: int | None) -> None:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """The target's log-probabilities at one emitted token's position (specdec/logprobs.py)."""
+    """The target's log-probabilities at one emitted token's position (specdec/maths/logprobs.py)."""
 
     token_id: int                            # the emitted token
     logprob: float                           # its log-probability

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 def fetch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specdec import models
+    from specdec_cli import model_pair as models
 
     root = Path(args.cache_dir) if args.cache_dir else None
     try:
@@ -40,7 +40,7 @@ def fetch(args: argparse.Namespace) -> int:
 
 
 def tiny(args: argparse.Namespace) -> int:
-    from specdec.tiny import build_pair
+    from specdec_cli.tiny import build_pair
 
     draft, target = build_pair(args.dir, args.arch)
     print(f"draft: {draft}\ntarget: {target}")

@@ -76,7 +76,7 @@ def models_of(args: argparse.Namespace) -> tuple[str, str]:
     """(draft, target): the flags', else the fetched default pair's: its GGUF files where the
     backend is llama.cpp (or auto with llama-cpp-python installed and the files fetched), else
     its directories."""
-    from specdec.models import PAIR, FetchError, default_gguf_pair, default_pair, gguf_verified
+    from specdec_cli.model_pair import PAIR, FetchError, default_gguf_pair, default_pair, gguf_verified
     from specdec.runtime.engines import llama_cpp_installed
 
     draft_model, target_model = args.draft_model, args.target_model
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         wait_healthy(addresses["coordinator"], args.startup_timeout, procs)
         http = ""
         if http_port(args):
-            from coordinator.openai_protocol import served_model_names
+            from coordinator.api.openai_protocol import served_model_names
 
             names = served_model_names(",".join(served_names(args)), target_model)
             http = (f"; OpenAI-compatible API on http://127.0.0.1:{http_port(args)}/v1 "

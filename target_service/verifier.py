@@ -7,16 +7,16 @@ from typing import Sequence
 
 import torch
 
-from specdec.acceptance import accept_greedy, accept_sampled
-from specdec.draft_q import DraftQ
+from specdec.maths.acceptance import accept_greedy, accept_sampled
+from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
-from specdec.logprobs import token_logprobs
+from specdec.maths.logprobs import token_logprobs
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
-from specdec.sampling import target_probs
-from specdec.tree import TokenTree
-from specdec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
+from specdec.maths.sampling import target_probs
+from specdec.maths.tree import TokenTree
+from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.types import SamplingParams, SparseDist, TokenLogprobs, Verdict, check_top_logprobs
 
 
@@ -112,7 +112,7 @@ class Verifier:
         return results
 
     def _accept_tree(self, call: VerifyCall, tree: TokenTree, entry: SessionCache, logits: torch.Tensor) -> Verdict:
-        """The acceptance step over a tree (specdec/tree_acceptance.py); only the accepted path's
+        """The acceptance step over a tree (specdec/maths/tree_acceptance.py); only the accepted path's
         K/V stay, moved to the positions after the history. logits [1 + n, vocab]."""
         if call.params.greedy:
             verdict = accept_tree_greedy(tree, logits.argmax(dim=-1).tolist())

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from specdec import tiny  # noqa: E402
+from specdec_cli import tiny  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
 

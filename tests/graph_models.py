@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.runtime.graph.batch import RowInput
 from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
 from specdec.runtime.graph.model import GraphModel

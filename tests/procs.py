@@ -91,8 +91,8 @@ class Coordinator:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     @property
-    def engine(self):
-        return self.running.engine
+    def round_loop(self):
+        return self.running.round_loop
 
     def complete(self, **fields: Any):
         from specdec.v1 import coordinator_pb2
@@ -106,17 +106,18 @@ class Coordinator:
     def replicas(self, tier: str) -> dict[str, str]:
         """address -> state (probing, ready, failed, refused) of the tier's replica pool."""
         async def states():
-            return self.engine.routes.pools[tier].states()
+            pool = self.round_loop.routes.pools[tier]
+            return {address: replica.state for address, replica in sorted(pool._replicas.items())}
         return self.loop.run(states())
 
     def describe_replicas(self, tier: str) -> str:
         async def describe():
-            return self.engine.routes.pools[tier].describe()
+            return self.round_loop.routes.pools[tier].describe()
         return self.loop.run(describe())
 
     def record(self, session_id: str):
         """The stored session record (tokens, and the replicas that hold it)."""
-        return self.loop.run(self.engine.store.get(session_id))
+        return self.loop.run(self.round_loop.store.get(session_id))
 
     def stop(self) -> None:
         self.channel.close()

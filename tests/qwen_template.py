@@ -67,8 +67,8 @@ QWEN25_CHAT_TEMPLATE = (
 
 
 def qwen_style_tokenizer():
-    """specdec.tiny's byte-level tokenizer with Qwen's chat markers and chat template."""
-    from specdec import tiny
+    """specdec_cli.tiny's byte-level tokenizer with Qwen's chat markers and chat template."""
+    from specdec_cli import tiny
 
     tokenizer = tiny.byte_level_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from coordinator.draft_ahead_trial import OFF, ON, PATTERN, DraftAheadTrial
+from coordinator.policy.draft_ahead_trial import OFF, ON, PATTERN, DraftAheadTrial
 
 pytestmark = pytest.mark.unit
 

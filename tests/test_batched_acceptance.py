@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.acceptance import accept_greedy
+from specdec.maths.acceptance import accept_greedy
 from specdec.runtime.batched_acceptance import ChainBatch, decide, inverse_cdf, row_uniforms
 from specdec.runtime.generators import make_generator
 from tests.test_sampling import chi2_pvalue

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from draft_service import server as draft_server
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.config import DraftConfig, TargetConfig
 from specdec.fingerprint import fingerprint
 from specdec.runtime.kv_cache import KVBuffer, SessionCaches, grown_capacity
 from specdec.runtime.loader import load_model
-from specdec.runtime.runner import ModelRunner, Row
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.session_runner import Row
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service import server as target_server
 from tests.cluster import Cluster, _free_port

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.kv_memory import kv_geometry, measure_model, theoretical_bytes_per_token
-from specdec import tiny
+from specdec_cli import tiny
 
 pytestmark = pytest.mark.unit
 

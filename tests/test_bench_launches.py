@@ -37,7 +37,7 @@ def test_the_counter_sees_each_kind_of_host_synchronisation():
 
 
 def test_a_tree_is_listed_parents_first():
-    from specdec.tree import TokenTree
+    from specdec.maths.tree import TokenTree
 
     parents = launches.tree_parents(8)
     TokenTree(tuple(range(8)), parents).check()

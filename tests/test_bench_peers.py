@@ -81,7 +81,7 @@ def test_each_peer_family_has_its_best_method_compared():
     assert summary[f"{report.AUTO} / best llama-server"] == pytest.approx(12.0 / 16.0)
     assert summary[f"{report.LOOKUP} / best llama-server"] == pytest.approx(9.0 / 16.0)
     assert summary[f"{report.AUTO} / best hf"] == pytest.approx(3.0)
-    assert summary["ngram_alpha"] == pytest.approx(0.75)
+    assert summary["lookup_alpha"] == pytest.approx(0.75)
     assert runs[llama_server.WITH_DRAFT]["identical"] is False and runs[llama_server.PLAIN]["identical"]
     prompts = [{"name": "p", "kind": "k", "summary": summary, "runs": runs}]
     overall = report.overall(prompts)

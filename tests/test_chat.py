@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.chat import render_messages
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.errors import InvalidArgument
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from coordinator.server import StartupError, start as start_coordinator
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.config import CoordinatorConfig
 from specdec.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.v1 import target_pb2, target_pb2_grpc

@@ -55,7 +55,7 @@ def test_boolean_env_and_flag():
 
 
 def test_served_model_name_takes_several_names_as_vllm_does():
-    from coordinator.openai_protocol import served_model_names
+    from coordinator.api.openai_protocol import served_model_names
 
     config = parse(CoordinatorConfig, "coordinator", ["--served-model-name", "qwen", "gpt-4o"], {})
     assert served_model_names(config.served_model_name, "/cache/x") == ("qwen", "gpt-4o")

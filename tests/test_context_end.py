@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_trees import believe_draft_and_lookup

@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.runtime.loader import load_model
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.cluster import Cluster

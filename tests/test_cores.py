@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from coordinator.tiers import tiers_compete
+from coordinator.sessions.model_tiers import tiers_compete
 from specdec.cores import CpuPlacement, allowed_cpus, boot_id, compete, core_of, parse_cpu_list, this_placement
 from specdec.rpc.convert import model_info_from_pb, model_info_to_pb
 from specdec.types import CoreSharing, ModelDescription

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.detokenizer import IncrementalDetokenizer, StopStrings
-from specdec import tiny
+from specdec_cli import tiny
 
 pytestmark = pytest.mark.unit
 

@@ -8,10 +8,10 @@ import time
 import grpc
 import pytest
 
-from coordinator.discovery import (
+from coordinator.sessions.discovery import (
     DiscoveryError, KubernetesDiscovery, ServiceRef, from_config, parse_addresses, ready_addresses,
 )
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.config import CoordinatorConfig, TargetConfig
 from target_service import server as target_server
 from tests.cluster import Cluster, LoopThread

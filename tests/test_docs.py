@@ -57,3 +57,31 @@ def test_every_docs_page_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"(docs/{page.name})" in readme, f"README.md has no link to docs/{page.name}"
+
+
+PACKAGES = ("specdec", "specdec_cli", "coordinator", "draft_service", "target_service")
+
+
+def layout_rows() -> dict[str, str]:
+    """docs/design.md's layout table: folder (as written, with its trailing /) -> the row's text."""
+    section = (ROOT / "docs" / "design.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return {match[1]: match[2] for match in re.finditer(r"^\| `([^`]+/)` \| (.*) \|$", section, re.M)}
+
+
+def test_the_layout_table_names_every_module_and_only_modules_that_exist():
+    rows = layout_rows()
+    folders = sorted({path.parent for package in PACKAGES for path in (ROOT / package).rglob("*.py")})
+    problems = []
+    for folder in folders:
+        name = f"{folder.relative_to(ROOT)}/"
+        if name not in rows:
+            problems.append(f"{name} has no row")
+            continue
+        named = set(re.findall(r"`([\w.]+\.py)`", rows[name])) - {"__init__.py"}
+        modules = {path.name for path in folder.glob("*.py") if path.name != "__init__.py"}
+        if name != "specdec/v1/":  # the generated stubs: named by their protos
+            problems += [f"{name}{module} is not named in its row" for module in sorted(modules - named)]
+        problems += [f"{name}{module} is named but does not exist" for module in sorted(named - modules)]
+    problems += [f"{name} has a row but no modules" for name in rows
+                 if name.split("/")[0] in PACKAGES and not (ROOT / name).is_dir()]
+    assert not problems, "docs/design.md's layout table is stale:\n" + "\n".join(problems)

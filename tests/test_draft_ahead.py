@@ -13,12 +13,11 @@ distribution: tests/test_sampled_sources.py.
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
 
-from coordinator.draft_ahead_trial import DraftAheadTrial
-from coordinator.speculation import FixedCosts
+from coordinator.policy.draft_ahead_trial import DraftAheadTrial
+from coordinator.policy.speculation import FixedCosts
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.cluster import Cluster
@@ -75,7 +74,7 @@ def test_auto_switches_mid_stream_and_stays_exact(small_vocab_models):
     coordinator = {**AHEAD, "draft_ahead": "auto", "max_num_speculative_tokens": 4,  # many rounds
                    "tiers_share_cores": "no"}  # as if on separate cores: auto measures
     with Cluster(target, target, coordinator=coordinator) as cluster:
-        engine = cluster.coordinator.engine
+        engine = cluster.coordinator.round_loop
         engine.draft_model.trial = DraftAheadTrial(epoch_rounds=2, min_pairs=10**6, max_pairs=10**6)
         # the policy prices the draft as cheap: the target as its own draft costs a target step,
         # and measured it would (rightly, on timing noise) drop to rounds with no draft at all
@@ -101,11 +100,11 @@ def test_auto_leaves_reproducible_rounds_alone(small_vocab_models, pinned, field
     target = small_vocab_models["target"]
     with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": "auto", "tiers_share_cores": "no",
                                               **pinned}) as cluster:
-        cluster.coordinator.engine.draft_model.trial = DraftAheadTrial(epoch_rounds=1, min_pairs=10**6, max_pairs=10**6)
+        cluster.coordinator.round_loop.draft_model.trial = DraftAheadTrial(epoch_rounds=1, min_pairs=10**6, max_pairs=10**6)
         response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
                                     proposer=proposer("draft"), **fields)
         assert response.stats.draft_rounds > 2 and response.stats.draft_ahead_calls == 0
-        assert not cluster.coordinator.engine.draft_model.trial.bands
+        assert not cluster.coordinator.round_loop.draft_model.trial.bands
 
 
 @pytest.mark.e2e
@@ -115,14 +114,14 @@ def test_auto_never_drafts_ahead_on_shared_cores(small_vocab_models):
     target = small_vocab_models["target"]
     for setting, ahead in (("auto", False), ("on", True)):
         with Cluster(target, target, coordinator={**AHEAD, "draft_ahead": setting}) as cluster:
-            assert not cluster.coordinator.engine.draft_model.beside_verification
-            cluster.coordinator.engine.speculation.costs = FixedCosts(0.2)  # speculating pays (as above)
+            assert not cluster.coordinator.round_loop.draft_model.beside_verification
+            cluster.coordinator.round_loop.speculation.costs = FixedCosts(0.2)  # speculating pays (as above)
             response = cluster.complete(token_ids=IDS_PROMPTS[0], max_new_tokens=30, ignore_eos=True,
                                         proposer=proposer("draft"))
             assert list(response.token_ids) == target_only(target, IDS_PROMPTS[0], 30)
             assert response.stats.draft_rounds > 2
             assert (response.stats.draft_ahead_calls > 0) is ahead
-            assert not cluster.coordinator.engine.draft_model.trial.bands
+            assert not cluster.coordinator.round_loop.draft_model.trial.bands
 
 
 @pytest.mark.e2e

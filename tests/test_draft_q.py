@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from specdec.draft_q import DraftQ
+from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.types import SparseDist
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc

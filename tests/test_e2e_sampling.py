@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec.runtime.loader import load_model
-from specdec.sampling import target_probs
+from specdec.maths.sampling import target_probs
 from specdec.types import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -66,7 +66,7 @@ def sampled_first_two(cluster, params: SamplingParams, samples: int,
                       **fields) -> tuple[np.ndarray, np.ndarray, int]:
     """Counts of the first and the second generated token over `samples` seeds, and the drafts
     the target accepted in all; `fields` go into every request."""
-    vocab = cluster.coordinator.engine.target_info.vocab_size
+    vocab = cluster.coordinator.round_loop.target_info.vocab_size
     counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
     accepted = 0
     for seed in range(samples):

@@ -75,7 +75,7 @@ def test_a_target_that_verifies_chains_only_gets_chains(models):
     target = models["llama"]["target"]
     expected = reference(target, PROMPTS[:2], NEW_TOKENS)
     with Cluster(models["llama"]["draft"], target) as cluster:
-        engine = cluster.coordinator.engine
+        engine = cluster.coordinator.round_loop
         engine.target_info = dataclasses.replace(engine.target_info, verifies_trees=False)  # as an older target
         seen: list[int] = []
         verify = cluster.target_servicer.verify
@@ -102,7 +102,7 @@ def test_auto_trees_where_costs_favour_them_equal_target_only(models):
     expected = reference(target, prompts, NEW_TOKENS)
     with Cluster(models["llama"]["draft"], target,
                  coordinator={"trees": "auto", "draft_cost_ratio": 0.01}) as cluster:
-        speculation = cluster.coordinator.engine.speculation
+        speculation = cluster.coordinator.round_loop.speculation
         prior = speculation.priors[Proposer.DRAFT]
         prior.successes, prior.trials, prior.rounds = 500.0, 1000.0, 100  # an unsure draft: α = 0.5
         # whose next choices are often the target's (b = 0.25), pinned as the α: this tiny draft's
@@ -124,7 +124,7 @@ def believe_draft_and_lookup(cluster: Cluster, draft_alpha: float = 0.9, lookup_
     """Every new session of the cluster's coordinator believes the draft (α 0.9, so each
     adaptive round is a draft tree) and believes prompt lookup enough (α 0.5, verification flat
     under the pinned cost ratio) to graft its tokens on: its own α only, pinned by 10,000 trials."""
-    speculation = cluster.coordinator.engine.speculation
+    speculation = cluster.coordinator.round_loop.speculation
     new_policy = speculation.policy
 
     def believing(session_id):
@@ -133,7 +133,7 @@ def believe_draft_and_lookup(cluster: Cluster, draft_alpha: float = 0.9, lookup_
         if fresh:
             policy.draft_prior = None
             policy.seed(Proposer.DRAFT, draft_alpha, 10_000)
-            policy.seed(Proposer.NGRAM, lookup_alpha, 10_000)
+            policy.seed(Proposer.PROMPT_LOOKUP, lookup_alpha, 10_000)
         return policy
 
     speculation.policy = believing

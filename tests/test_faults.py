@@ -77,7 +77,7 @@ def test_continuation_appends_and_reuses_caches(llama_cluster):
 def test_draft_refusing_a_token_falls_back_to_target_only(models, tmp_path):
     """A draft whose embedding is smaller than the target's answers INVALID_ARGUMENT once the
     target emits an id it cannot take: those rounds run target-only and the output is unchanged."""
-    from specdec import tiny
+    from specdec_cli import tiny
     from tests.test_continuation import target_only
 
     draft = tiny.build_model(tmp_path / "small-draft", tiny.byte_level_tokenizer(), "llama", seed=12,

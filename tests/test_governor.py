@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.load_governor import PLAIN, SPECULATE, LoadGovernor, load_band
-from coordinator.speculation import Speculation
+from coordinator.policy.load_governor import PLAIN, SPECULATE, LoadGovernor, load_band
+from coordinator.policy.speculation import Speculation
+from tests.planning import plan_round
 
 
 class Clock:
@@ -185,12 +186,12 @@ def test_a_trial_stops_when_the_load_goes():
 
 @pytest.mark.unit
 def test_a_plain_verdict_only_overrides_adaptive_auto_requests():
-    spec = Speculation(max_gamma=8, default_gamma=4, ngram_max=3, ngram_max_tokens=8)
+    spec = Speculation(max_gamma=8, default_gamma=4)
     history = [5, 6, 7, 8, 1, 2, 5, 6, 7]
-    assert spec.start("a", "auto", None).plan(history, 8, True, allowed=False).source == "none"
-    assert spec.start("b", "auto", None).plan(history, 8, True, allowed=True).source != "none"
-    assert spec.start("c", "auto", 3).plan(history, 8, True, allowed=False).gamma == 3  # fixed γ
-    assert spec.start("d", "draft", None).plan(history, 8, True, allowed=False).source == "draft"
+    assert plan_round(spec.start("a", "auto", None), history, 8, True, allowed=False).source == "none"
+    assert plan_round(spec.start("b", "auto", None), history, 8, True, allowed=True).source != "none"
+    assert plan_round(spec.start("c", "auto", 3), history, 8, True, allowed=False).gamma == 3  # fixed γ
+    assert plan_round(spec.start("d", "draft", None), history, 8, True, allowed=False).source == "draft"
 
 
 @pytest.mark.e2e
@@ -206,7 +207,7 @@ def test_while_plain_decoding_holds_the_draft_gets_no_call_at_all(models):
     paths = models["llama"]
     prompt = [3, 7, 5, 2, 8, 9, 4, 6, 1]
     with Cluster(paths["draft"], paths["target"], interceptors=[recorder]) as cluster:
-        governor = cluster.coordinator.engine.governor
+        governor = cluster.coordinator.round_loop.governor
         governor.min_load = 1  # govern this single stream: plain decoding holds at every load
         governor.verdicts[0] = (PLAIN, time.monotonic(), 0.0, governor.hold_s)
         held = cluster.complete(token_ids=prompt, max_new_tokens=12, ignore_eos=True)

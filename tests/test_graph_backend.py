@@ -22,7 +22,7 @@ from specdec.runtime.graph.runner import PagedSessionRunner
 from specdec.runtime.loader import load_model
 from specdec.runtime.session_runner import Row
 from specdec.tokenizer import ModelLoadError
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from specdec.types import Backend, SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -165,7 +165,7 @@ def test_kv_chunks_restore_a_prompt_instead_of_prefilling_it(models):
 
 @pytest.mark.e2e
 def test_greedy_chains_through_graph_services_equal_the_hf_model(graph_cluster, expected):
-    assert graph_cluster.coordinator.engine.target_info.verifies_trees
+    assert graph_cluster.coordinator.round_loop.target_info.verifies_trees
     for runner in (graph_cluster.draft_servicer.proposer.runner, graph_cluster.target_servicer.verifier.runner):
         assert isinstance(runner, PagedSessionRunner)
     for gamma in (0, 1, 3, 5):

@@ -11,7 +11,7 @@ from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import PagedKV
 from specdec.tokenizer import ModelLoadError
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from tests.graph_models import ARCHS, hf_model, reference, run, runner_for, sequence
 
 pytestmark = pytest.mark.unit
@@ -148,7 +148,7 @@ def test_padding_to_a_bucket_changes_nothing(model):
 
 
 def test_a_model_loaded_from_its_directory(tmp_path):
-    from specdec import tiny
+    from specdec_cli import tiny
 
     path = tiny.build_model(tmp_path / "m", tiny.word_tokenizer(12), "qwen2", seed=3, dtype=torch.float64)
     graph, tokenizer = GraphModel.load(str(path), "float64")
@@ -166,7 +166,7 @@ def hf_from(path):
 
 
 def test_other_architectures_are_refused_by_name():
-    from specdec import tiny
+    from specdec_cli import tiny
     from transformers import AutoModelForCausalLM
 
     gpt2 = AutoModelForCausalLM.from_config(tiny.model_config("gpt2", 32, 0))

@@ -113,7 +113,7 @@ def test_chunks_read_and_extend_round_trip():
 
 
 def test_rows_a_forward_cannot_take_are_named():
-    from specdec.tree import TokenTree
+    from specdec.maths.tree import TokenTree
 
     runner = runner_for(hf_model("llama"))
     run(runner, "a", [1, 2])

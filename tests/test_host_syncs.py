@@ -11,7 +11,7 @@ import torch
 
 from bench import launches
 from specdec.runtime import batch_cache
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 
 pytestmark = pytest.mark.unit
 
@@ -70,7 +70,7 @@ def test_an_upload_to_a_gpu_is_asynchronous_and_exact():
 
 
 def test_a_draft_q_stays_on_the_host_until_the_model_thread_moves_it():
-    from specdec.draft_q import DraftQ
+    from specdec.maths.draft_q import DraftQ
     from specdec.types import SparseDist
 
     q = DraftQ.from_sparse([SparseDist((3, 5), (0.25, 0.75))], [5], vocab=8)

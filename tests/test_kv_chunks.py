@@ -8,13 +8,12 @@ from array import array
 import pytest
 import torch
 
-from specdec.kv_chunks import (
+from specdec.kv.chunks import (
     HEADER_BYTES,
     LAYOUT_VERSION,
     ChunkError,
     ChunkLayout,
     chunk_keys,
-    chunk_spans,
     decode_chunk,
     encode_chunk,
     model_fingerprint,
@@ -89,8 +88,6 @@ def test_chunk_keys_and_spans_validate_arguments():
     for bad in (0, -1):
         with pytest.raises(ValueError, match="chunk_tokens"):
             chunk_keys(MODEL, [1, 2], bad)
-        with pytest.raises(ValueError, match="chunk_tokens"):
-            chunk_spans(10, bad)
     with pytest.raises(ValueError, match="32 bytes"):
         chunk_keys(MODEL[:16], [1, 2], 1)
     with pytest.raises(ValueError, match="int32"):
@@ -109,15 +106,6 @@ def test_model_fingerprint_ignores_order_and_tells_every_change_apart():
     assert model_fingerprint({"ab": "c"}) != model_fingerprint({"a": "bc"})
     assert model_fingerprint({"a": "b", "c": "d"}) != model_fingerprint({"a": "bc", "": "d"})
     assert model_fingerprint({}) != model_fingerprint({"": ""})
-
-
-@pytest.mark.unit
-def test_chunk_spans_are_the_aligned_full_chunks_from_start():
-    assert chunk_spans(1000, 256) == [(0, 256), (256, 512), (512, 768)]
-    assert chunk_spans(1000, 256, start=256) == [(256, 512), (512, 768)]
-    assert chunk_spans(1000, 256, start=300) == [(512, 768)]
-    assert chunk_spans(768, 256, start=768) == [] == chunk_spans(255, 256)
-    assert len(chunk_spans(1000, 256)) == len(chunk_keys(MODEL, _tokens(1000), 256))
 
 
 @pytest.mark.unit

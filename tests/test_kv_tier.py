@@ -135,7 +135,7 @@ def test_a_corrupt_chunk_ends_the_restore_there(models, namespace_db):
 @pytest.mark.service
 def test_another_models_chunks_are_never_used(models, namespace_db, tmp_path):
     """The same architecture and shapes, other weights: other keys, so nothing is found."""
-    from specdec import tiny
+    from specdec_cli import tiny
 
     other = str(tiny.build_model(tmp_path / "other", tiny.byte_level_tokenizer(), "llama", seed=99))
     target = models["llama"]["target"]
@@ -276,7 +276,7 @@ def test_engines_that_cannot_cut_chunks_say_so_at_start_up(models, tmp_path, cap
     their services say so when they start, rather than taking --kv-store silently."""
     from transformers import AutoModelForCausalLM
 
-    from specdec import tiny
+    from specdec_cli import tiny
     from tests.gguf_writer import write_llama_gguf
 
     tokenizer = tiny.byte_level_tokenizer()

@@ -5,7 +5,9 @@ The layers, top to bottom: the command line (`specdec_cli`) composes the three a
 all of them stand on the shared library (`specdec`), which imports none of them. The import
 graph here is read from the source with `ast`: every import, at module level or inside a
 function, as a lazy import is a dependency all the same. The coordinator runs no model, so
-none of its modules may bring torch into its process.
+none of its modules may bring torch into its process. Within the coordinator, each wing (api,
+sources, policy, sessions; the round loop at the top) imports only what its docstring allows,
+and only coordinator/session_calls.py records what a replica holds.
 """
 
 from __future__ import annotations
@@ -214,3 +216,74 @@ def test_no_coordinator_module_imports_torch():
     offenders = [line for module in modules for line in _torch_importers([module])]
     pytest.fail("torch is imported by these coordinator modules (module: import chain):\n"
                 + "\n".join(offenders))
+
+
+# The coordinator's wings (coordinator/__init__.py and each wing's docstring): what each may
+# import of the coordinator. The round loop at the top (the coordinator's own top-level modules)
+# may import every wing; only server.py, which composes everything, imports the APIs.
+ROUND_RECORDS = {"coordinator.rounds", "coordinator.session_calls", "coordinator.tasks"}
+TOP = {module for module, path in MODULES.items()
+       if module.startswith("coordinator.") and path.parent == ROOT / "coordinator"}
+WINGS = {
+    "coordinator.sessions": {"coordinator.sessions"},
+    "coordinator.policy": {"coordinator.policy"},
+    "coordinator.sources": {"coordinator.policy", "coordinator.sessions", *ROUND_RECORDS},
+    "coordinator.api": {"coordinator.api", *(TOP - {"coordinator.server"})},
+}
+# within sources: the interface, and a source's own parts; no source sees another
+SOURCE_PARTS = {"coordinator.sources.draft_model": {"coordinator.sources.draft_ahead"},
+                "coordinator.sources.prompt_lookup": {"coordinator.sources.lookup_index"}}
+
+
+def _wing(module: str) -> str | None:
+    return next((wing for wing in WINGS if module == wing or module.startswith(wing + ".")), None)
+
+
+def _allowed(module: str, target: str) -> bool:
+    """Whether coordinator `module` may import coordinator `target`."""
+    wing = _wing(module)
+    if wing is None:  # the round loop at the top
+        return _wing(target) != "coordinator.api" or module == "coordinator.server"
+    if wing == "coordinator.sources" and _wing(target) == wing:
+        return target in {"coordinator.sources", "coordinator.sources.base", *SOURCE_PARTS.get(module, ())}
+    return any(target == allowed or target.startswith(allowed + ".") for allowed in WINGS[wing])
+
+
+def test_the_wings_exist_and_say_what_they_may_import():
+    for wing in WINGS:
+        doc = ast.get_docstring(ast.parse(MODULES[wing].read_text())) or ""
+        assert "Decides:" in doc and "May import" in doc, f"{wing}/__init__.py must say what it decides and imports"
+    assert "coordinator.round_loop" in TOP and "coordinator.server" in TOP
+
+
+def test_coordinator_wings_import_only_what_they_may():
+    crossed = sorted(f"{module} imports {target}" for module, targets in GRAPH.items()
+                     if module.startswith("coordinator.")
+                     for target in targets if target.startswith("coordinator.") and target != "coordinator"
+                     and not _allowed(module, target))
+    assert not crossed, "the coordinator's wings cross their bounds:\n" + "\n".join(crossed)
+
+
+def test_the_wing_rules_can_fail():
+    assert not _allowed("coordinator.sources.draft_model", "coordinator.sources.prompt_lookup")
+    assert not _allowed("coordinator.policy.speculation", "coordinator.sources.lookup_index")
+    assert not _allowed("coordinator.sessions.routing", "coordinator.rounds")
+    assert not _allowed("coordinator.api.servicer", "coordinator.sessions.store")
+    assert not _allowed("coordinator.round_loop", "coordinator.api.servicer")
+    assert _allowed("coordinator.server", "coordinator.api.servicer")
+
+
+def test_only_session_calls_records_what_a_replica_holds():
+    """A session's held length on a replica has one owner (coordinator/session_calls.py)."""
+    writers = sorted(module for module in MODULES if module.startswith("coordinator.")
+                     for node in ast.walk(ast.parse(MODULES[module].read_text()))
+                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                     and node.func.attr == "hold")
+    assert set(writers) == {"coordinator.session_calls"}, f"record.hold(...) called in {writers}"
+
+
+
+def test_no_module_is_over_500_lines():
+    long = sorted(f"{path.relative_to(ROOT)}: {n} lines" for path in MODULES.values()
+                  if "v1" not in path.parts and (n := len(path.read_text().splitlines())) > 500)
+    assert not long, "modules over 500 lines:\n" + "\n".join(long)

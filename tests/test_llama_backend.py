@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.runtime.engines import resolve_backend
 from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
 from specdec.runtime.session_runner import Row
-from specdec.sampling import target_probs
+from specdec.maths.sampling import target_probs
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend, SamplingParams
 from tests.cluster import Cluster
@@ -124,7 +124,7 @@ def test_a_tree_forward_scores_each_node_as_its_path_alone(runner):
     """One decode of a tree beside a chain: each node's logits are those of its own path run
     alone (sequence sets mask it to the history and its ancestors); keep_path leaves the session
     holding exactly the history and the accepted path, and frees the spare sequences."""
-    from specdec.tree import TokenTree
+    from specdec.maths.tree import TokenTree
 
     history = _ids(runner, PROMPTS[0])
     nodes = (11, 12, 13, 14, 15, 16)
@@ -295,7 +295,7 @@ def test_a_llama_cpp_target_verifies_the_torch_drafts_trees(models, gguf_pair, l
     """Token trees from a torch draft, verified in one llama.cpp decode: greedy output equals the
     llama.cpp target's own, several tree shapes at once. A llama.cpp draft grows chains only."""
     with Cluster(models["llama"]["draft"], gguf_pair["target"], dtype="float32", target=LLAMA) as mixed:
-        assert mixed.coordinator.engine.target_info.verifies_trees
+        assert mixed.coordinator.round_loop.target_info.verifies_trees
         expected = {prompt: list(llama_pair_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, proposer=NONE,
                                                              ignore_eos=True).token_ids) for prompt in PROMPTS[:2]}
         shapes = [(2, 4), (4, 8), (3, 3)]
@@ -308,7 +308,7 @@ def test_a_llama_cpp_target_verifies_the_torch_drafts_trees(models, gguf_pair, l
             response = future.result()
             assert list(response.token_ids) == expected[prompt], (prompt, shape)
             assert response.stats.tree_rounds > 0
-    assert not llama_pair_cluster.coordinator.engine.draft_info.verifies_trees  # grows no trees
+    assert not llama_pair_cluster.coordinator.round_loop.draft_info.verifies_trees  # grows no trees
 
 
 @pytest.mark.e2e

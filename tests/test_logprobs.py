@@ -1,4 +1,4 @@
-"""Log-probabilities of emitted tokens (specdec/logprobs.py): the pure function on hand-built
+"""Log-probabilities of emitted tokens (specdec/maths/logprobs.py): the pure function on hand-built
 logits, and end to end through the gRPC API against the target model run alone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from specdec.logprobs import token_logprobs
+from specdec.maths.logprobs import token_logprobs
 from specdec.runtime.loader import load_model
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -59,7 +59,7 @@ def test_logprobs_are_the_target_models_before_the_warp(cluster, models, sampled
     tokens = list(response.token_ids)
     assert len(response.logprobs) == len(tokens) == 16
     assert [entry.token_id for entry in response.logprobs] == tokens
-    prompt_ids = list(cluster.coordinator.engine.tokenizer(PROMPT)["input_ids"])
+    prompt_ids = list(cluster.coordinator.round_loop.tokenizer(PROMPT)["input_ids"])
     expected = reference_logprobs(models["llama"]["target"], prompt_ids, tokens)  # [16, vocab]
     for position, entry in enumerate(response.logprobs):
         row = expected[position]
@@ -92,8 +92,8 @@ def test_no_logprobs_unless_asked_and_out_of_range_refused(cluster):
 
 @pytest.mark.unit
 def test_tokens_are_named_by_their_own_bytes():
-    from coordinator.openai_protocol import TokenText
-    from specdec import tiny
+    from coordinator.api.openai_protocol import TokenText
+    from specdec_cli import tiny
 
     tokenizer = tiny.byte_level_tokenizer()
     name = TokenText(tokenizer)

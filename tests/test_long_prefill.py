@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from specdec import tiny
+from specdec_cli import tiny
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.e2e

@@ -94,8 +94,7 @@ def test_requests_gauges_and_batches(served):
     metrics.record_request("Generate", "UNAVAILABLE")
     for size in (1, 3, 16):
         metrics.observe_batch(size)
-    metrics.set_cache(7, 123_456)
-    metrics.set_queue_depth(2)
+    metrics.watch(cached_sessions=lambda: 7, kv_cache_bytes=lambda: 123_456, queue_depth=lambda: 2)
     with coordinator.active():
         inside = scrape(coordinator_server.port)
     after = scrape(server.port)

@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from specdec import models
+from specdec_cli import model_pair as models
 
 pytestmark = pytest.mark.unit
 
@@ -79,7 +79,7 @@ def test_converted_qwen_pair_ends_on_both_eos_ids(tmp_path):
     """A GGUF conversion carries only <|im_end|>; the function adds <|endoftext|> like upstream."""
     from transformers import GenerationConfig
 
-    from specdec import tiny
+    from specdec_cli import tiny
 
     directory = tiny.build_model(tmp_path / "m", tiny.word_tokenizer(12), "llama", seed=1)
     converted = GenerationConfig.from_pretrained(directory)
@@ -96,7 +96,7 @@ def test_converted_qwen_pair_ends_on_both_eos_ids(tmp_path):
 
 
 def test_eos_ids_keep_other_ids_and_create_a_missing_generation_config(tmp_path):
-    from specdec import tiny
+    from specdec_cli import tiny
 
     directory = tiny.build_model(tmp_path / "m", tiny.word_tokenizer(12), "llama", seed=1)
     assert _eos(directory) == 0

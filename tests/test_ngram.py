@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.ngram import NgramIndex, NgramProposer
+from coordinator.sources.lookup_index import NgramIndex, SessionLookup
 
 pytestmark = pytest.mark.unit
 
@@ -35,46 +35,46 @@ def test_longest_match_wins():
     # suffix 2-gram (8, 9) occurs at 0..1 (followed by 1); suffix 1-gram (9) occurs later at 4
     # (followed by 5). The longer match wins although the shorter one is more recent.
     history = [8, 9, 1, 2, 9, 5, 8, 9]
-    assert NgramProposer(max_ngram=3).propose(history, 3) == [1, 2, 9]
+    assert SessionLookup(max_ngram=3).propose(history, 3) == [1, 2, 9]
     # with only unigrams allowed, the most recent 9 (followed by 5, 8, 9) wins
-    assert NgramProposer(max_ngram=1).propose(history, 3) == [5, 8, 9]
+    assert SessionLookup(max_ngram=1).propose(history, 3) == [5, 8, 9]
 
 
 def test_most_recent_match_wins_among_equal_n():
     history = [1, 2, 10, 11, 1, 2, 20, 21, 7, 1, 2]
-    assert NgramProposer(max_ngram=2).propose(history, 2) == [20, 21]
-    assert NgramProposer(max_ngram=4).propose(history, 2) == [20, 21]
+    assert SessionLookup(max_ngram=2).propose(history, 2) == [20, 21]
+    assert SessionLookup(max_ngram=4).propose(history, 2) == [20, 21]
 
 
 def test_no_match_no_proposal():
-    assert NgramProposer(max_ngram=3).propose([1, 2, 3, 4, 5], 4) == []
-    assert NgramProposer().propose([], 4) == []
-    assert NgramProposer().propose([7], 4) == []
+    assert SessionLookup(max_ngram=3).propose([1, 2, 3, 4, 5], 4) == []
+    assert SessionLookup().propose([], 4) == []
+    assert SessionLookup().propose([7], 4) == []
     # min_ngram=2: a unigram match alone does not count
-    assert NgramProposer(max_ngram=3, min_ngram=2).propose([5, 1, 6, 1], 4) == []
-    assert NgramProposer(max_ngram=3, min_ngram=1).propose([5, 1, 6, 1], 4) == [6, 1, 6, 1]
+    assert SessionLookup(max_ngram=3, min_ngram=2).propose([5, 1, 6, 1], 4) == []
+    assert SessionLookup(max_ngram=3, min_ngram=1).propose([5, 1, 6, 1], 4) == [6, 1, 6, 1]
 
 
 def test_match_at_the_end_copies_on_into_its_own_output():
     # the latest earlier occurrence of (3, 4) ends right before the suffix: the history ends
     # after 2 tokens of its continuation, and the copy goes on with what it proposed (period 2)
     history = [1, 3, 4, 3, 4]
-    assert NgramProposer(max_ngram=2).propose(history, 5) == [3, 4, 3, 4, 3]
-    assert NgramProposer(max_ngram=3).propose([6, 6, 6], 5) == [6] * 5
-    assert NgramProposer(max_ngram=2).propose([6, 6, 6, 6], 5) == [6] * 5  # latest: 1..2
-    assert NgramProposer(max_ngram=2).propose([9, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]  # period 3
+    assert SessionLookup(max_ngram=2).propose(history, 5) == [3, 4, 3, 4, 3]
+    assert SessionLookup(max_ngram=3).propose([6, 6, 6], 5) == [6] * 5
+    assert SessionLookup(max_ngram=2).propose([6, 6, 6, 6], 5) == [6] * 5  # latest: 1..2
+    assert SessionLookup(max_ngram=2).propose([9, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]  # period 3
 
 
 def test_gamma_and_max_tokens_limit():
     history = list(range(10)) + [0, 1]
-    proposer = NgramProposer(max_ngram=2, max_tokens=16)
+    proposer = SessionLookup(max_ngram=2, max_tokens=16)
     assert proposer.propose(history, 3) == [2, 3, 4]
     assert proposer.propose(history, 0) == []
-    assert NgramProposer(max_ngram=2, max_tokens=2).propose(history, 5) == [2, 3]
+    assert SessionLookup(max_ngram=2, max_tokens=2).propose(history, 5) == [2, 3]
 
 
 def test_incremental_sync_follows_appends_and_rebuilds_after_a_change():
-    proposer = NgramProposer(max_ngram=3)
+    proposer = SessionLookup(max_ngram=3)
     history = [1, 2, 3, 1, 2]
     assert proposer.propose(history, 2) == [3, 1]
     history += [3, 9, 1, 2, 3]
@@ -85,7 +85,7 @@ def test_incremental_sync_follows_appends_and_rebuilds_after_a_change():
 
 
 def test_feed_matches_propose_from_history():
-    proposer = NgramProposer(max_ngram=3)
+    proposer = SessionLookup(max_ngram=3)
     proposer.feed([1, 2, 3, 4])
     proposer.feed([1, 2])
     assert proposer.index.lookup(3) == [3, 4, 1]
@@ -93,7 +93,7 @@ def test_feed_matches_propose_from_history():
 
 
 def test_observe_keeps_acceptance_stats():
-    proposer = NgramProposer()
+    proposer = SessionLookup()
     proposer.observe(4, 3)
     proposer.observe(0, 0)     # a round without proposal is not a proposal
     proposer.observe(2, 0)
@@ -110,7 +110,7 @@ def test_bad_sizes_are_refused():
     with pytest.raises(ValueError):
         NgramIndex(max_ngram=0, min_ngram=0)
     with pytest.raises(ValueError):
-        NgramProposer(max_tokens=0)
+        SessionLookup(max_tokens=0)
 
 
 @settings(max_examples=300, deadline=None)
@@ -120,7 +120,7 @@ def test_bad_sizes_are_refused():
 def test_incremental_equals_brute_force(tokens, chunks, max_ngram, min_ngram, gamma):
     """Fed in random chunks, every intermediate proposal equals a full rescan."""
     min_ngram = min(min_ngram, max_ngram)
-    proposer = NgramProposer(max_ngram=max_ngram, min_ngram=min_ngram, max_tokens=16)
+    proposer = SessionLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_tokens=16)
     history: list[int] = []
     position, i = 0, 0
     while position < len(tokens):
@@ -145,7 +145,7 @@ def test_long_history_rounds():
     history: list[int] = []
     while len(history) < 32_768:
         history += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(1000)]
-    proposer = NgramProposer(max_ngram=3, max_tokens=8)
+    proposer = SessionLookup(max_ngram=3, max_tokens=8)
     t0 = time.perf_counter()
     proposer.sync(history)
     t_index = time.perf_counter() - t0

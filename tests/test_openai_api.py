@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (coordinator/openai_api.py) through the official openai client
+"""The OpenAI-compatible HTTP API (coordinator/api/openai_api.py) through the official openai client
 and raw HTTP, against the real services: it generates what the gRPC API generates."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ try:  # the HTTP client the openai package brings: httpx, or its renamed fork in
 except ImportError:
     import httpx
 
-from coordinator.openai_protocol import TokenText
+from coordinator.api.openai_protocol import TokenText
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +52,7 @@ def test_health_and_models(base_url, client, cluster, model_id):
     assert listing["object"] == "list"
     [entry] = listing["data"]
     assert entry["id"] == model_id and entry["object"] == "model" and entry["owned_by"] == "specdec"
-    assert entry["max_model_len"] == cluster.coordinator.engine.context_length
+    assert entry["max_model_len"] == cluster.coordinator.round_loop.context_length
     assert isinstance(entry["created"], int)
     assert [m.id for m in client.models.list()] == [model_id]
 
@@ -68,7 +68,7 @@ def test_completion_greedy_matches_grpc(cluster, client, model_id):
     specdec = reply.model_extra["specdec"]
     assert specdec["session_id"] and specdec["rounds"] == expected.stats.rounds
     # token ids as the prompt, and a one-element batch
-    ids = list(cluster.coordinator.engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+    ids = list(cluster.coordinator.round_loop.tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
     by_ids = grpc_greedy(cluster, 6, token_ids=ids)
     assert client.completions.create(model=model_id, prompt=ids, max_tokens=6, extra_body=EXTRA,
                                      **GREEDY).choices[0].text == by_ids.text
@@ -116,7 +116,7 @@ def test_chat_greedy_matches_grpc(cluster, client, base_url, model_id):
 def test_logprobs_match_grpc(cluster, client, base_url, model_id):
     """The target's log-probabilities, as the gRPC API returns them, in OpenAI's two shapes."""
     expected = grpc_greedy(cluster, 8, prompt=PROMPT, top_logprobs=3)
-    decode = TokenText(cluster.coordinator.engine.tokenizer)  # a token's name: its text, or its bytes
+    decode = TokenText(cluster.coordinator.round_loop.tokenizer)  # a token's name: its text, or its bytes
     names = [decode(entry.token_id) for entry in expected.logprobs]
     reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, logprobs=3,
                                       extra_body=EXTRA, **GREEDY)
@@ -313,7 +313,7 @@ def test_disconnect_before_a_whole_response_frees_the_session(cluster, client, b
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 2000 tokens
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     started = time.monotonic()
-    while cluster.coordinator.engine.active:  # the generation stops within a round or two
+    while cluster.coordinator.round_loop.active:  # the generation stops within a round or two
         assert time.monotonic() - started < 5, "the abandoned request is still generating"
         time.sleep(0.05)
     kept = committed_tokens(cluster, session_id)

@@ -77,7 +77,7 @@ def test_target_down_is_503_then_recovers(models):
             _unavailable(http.post("/v1/completions", json={**completion, "session_id": session_id}), address)
             assert _session_tokens(cluster, session_id)[: len(held)] == held
             assert http.get("/health").status_code == 200
-            assert cluster.coordinator.engine.active == 0  # no generation left counted
+            assert cluster.coordinator.round_loop.active == 0  # no generation left counted
 
             cluster.restart_target()  # the same address: the coordinator finds it again
             deadline = time.monotonic() + 30
@@ -115,7 +115,7 @@ def test_target_failing_mid_stream_ends_with_an_error_event(models):
                  coordinator={"http_port": -1, "target_retry_s": RETRY_S}) as cluster:
         base = f"http://127.0.0.1:{cluster.coordinator.http_port}"
         model_id = cluster.coordinator.served_model_names[0]
-        tokenizer = cluster.coordinator.engine.tokenizer
+        tokenizer = cluster.coordinator.round_loop.tokenizer
         # what the interrupted generation would have produced (greedy: the same tokens)
         reference = cluster.complete(prompt=PROMPT, max_new_tokens=40, ignore_eos=True, temperature=0.0,
                                      num_speculative_tokens=2, proposer=coordinator_pb2.PROPOSER_DRAFT)
@@ -162,10 +162,10 @@ def test_target_failing_mid_stream_ends_with_an_error_event(models):
         assert tokenizer.decode(generated).startswith(streamed), (tokenizer.decode(generated), streamed)
         common = min(len(generated), len(reference.token_ids))
         assert generated[:common] == list(reference.token_ids)[:common]  # the right tokens, too
-        # the engine's store says the same
-        record = cluster.loop.run(cluster.coordinator.engine.store.get(session_id))
+        # the round loop's store says the same
+        record = cluster.loop.run(cluster.coordinator.round_loop.store.get(session_id))
         assert list(record.token_ids) == stored
-        assert cluster.coordinator.engine.active == 0
+        assert cluster.coordinator.round_loop.active == 0
 
         # the session is free and continues from what was committed once the target is back
         cluster.restart_target()

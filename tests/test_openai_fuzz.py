@@ -1,4 +1,4 @@
-"""Fuzz the bodies of POST /v1/completions and /v1/chat/completions (coordinator/openai_api.py):
+"""Fuzz the bodies of POST /v1/completions and /v1/chat/completions (coordinator/api/openai_api.py):
 JSON objects with every field of odd values, unknown fields and garbage, and raw bodies that are
 no JSON object at all. Every answer is 2xx or 4xx, never 5xx; a 4xx carries OpenAI's error JSON;
 a 2xx is the endpoint's shape, a streamed one ends with `data: [DONE]`; the servers stay up."""
@@ -167,7 +167,7 @@ KNOWN = set(COMMON) | set(completion_only) | set(chat_only) | {"model", "message
 
 @st.composite
 def bodies(draw, path: str, model_id: str, sessions: list[str]) -> dict[str, Any]:
-    """A JSON object for `path`: a tame one (every value one the engine takes, so the fuzz
+    """A JSON object for `path`: a tame one (every value one the round loop takes, so the fuzz
     reaches generation), or one with one to three fields odd (odd values, garbage, or left out
     when required) and the others tame, so that the odd value is what the server judges."""
     fields = {**COMMON, **(completion_only if path == COMPLETIONS else chat_only)}
@@ -224,7 +224,7 @@ def calls(draw, model_id: str, sessions: list[str]) -> Call:
                                                 "image/png"])))
     method = draw(mostly(st.just("POST"), st.sampled_from(["GET", "PUT", "DELETE", "PATCH"]), 96))
     kind = draw(st.integers(0, 99))
-    if kind < 88:  # a JSON object, mostly a request the engine runs
+    if kind < 88:  # a JSON object, mostly a request the round loop runs
         encoding = draw(mostly(st.just("ascii"), st.sampled_from(["utf-8", "utf-16", "bom"]), 90))
         return Call(path, draw(bodies(path, model_id, sessions)), encoding=encoding, content_type=content_type,
                     method=method)
@@ -405,7 +405,7 @@ def test_fuzz_openai_bodies(cluster, base_url, model_id):
     summary = sorted(seen.items())
     print("answers (path, status): count:", summary)
     ok = {path for (path, status) in seen if status == 200}
-    assert ok == {COMPLETIONS, CHAT}, summary  # the fuzz reached the engine through both endpoints
+    assert ok == {COMPLETIONS, CHAT}, summary  # the fuzz reached the round loop through both endpoints
     statuses = {status for (_, status) in seen}
     assert {200, 400, 404, 405} <= statuses, summary
     assert set(streamed) == {COMPLETIONS, CHAT}, summary
@@ -413,7 +413,7 @@ def test_fuzz_openai_bodies(cluster, base_url, model_id):
 
     # the servers are up and serve as before, with nothing left running
     deadline = time.monotonic() + 10
-    while cluster.coordinator.engine.active:
+    while cluster.coordinator.round_loop.active:
         assert time.monotonic() < deadline, "a fuzzed request is still counted as generating"
         time.sleep(0.05)
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200

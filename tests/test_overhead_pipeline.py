@@ -143,4 +143,4 @@ def test_lease_lost_mid_stream_ends_it_with_nothing_unstored_and_no_call_left(mo
         assert len(history) <= len(PROMPT) + len(streamed) + 3  # at most the round it was writing
         time.sleep(0.3)
         assert len(recorder.take()) == 0 and calls > 0  # nothing was still running or started after it
-        assert cluster.coordinator.engine.active == 0
+        assert cluster.coordinator.round_loop.active == 0

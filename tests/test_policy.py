@@ -9,10 +9,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy import (
-    AcceptanceEstimate, CostModel, LinearFit, PolicyConfig, SessionPolicy, best_gamma,
-    expected_tokens, leviathan_speedup,
+from coordinator.policy.estimates import (
+    AcceptanceEstimate, CostModel, LinearFit, best_gamma, expected_tokens, leviathan_speedup,
 )
+from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
 
 pytestmark = pytest.mark.unit
 
@@ -28,12 +28,12 @@ def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
 
 
 def simulate(policy: SessionPolicy, rounds: int, alpha: dict, step_cost: dict, *, seed: int = 0,
-             ngram_available: int = 0, max_gamma: int | None = None, **overrides) -> list:
+             lookup_available: int = 0, max_gamma: int | None = None, **overrides) -> list:
     """Run `rounds` rounds; the draft costs step_cost[source]·VERIFY_S per proposed token."""
     rng = random.Random(seed)
     choices = []
     for _ in range(rounds):
-        choice = policy.choose(max_gamma=max_gamma, ngram_available=ngram_available, **overrides)
+        choice = policy.choose(max_gamma=max_gamma, lookup_available=lookup_available, **overrides)
         source, gamma = choice
         accepted = accepted_count(rng, alpha.get(source, 0.0), gamma)
         policy.observe(source, gamma, accepted,
@@ -121,19 +121,19 @@ def test_high_cost_ratio_gives_a_smaller_gamma():
 
 def test_ngram_preferred_when_its_alpha_is_high():
     policy = SessionPolicy(PolicyConfig(max_gamma=8))
-    choices = simulate(policy, 400, {"draft": 0.5, "ngram": 0.95}, {"draft": 0.1}, ngram_available=6)
+    choices = simulate(policy, 400, {"draft": 0.5, "ngram": 0.95}, {"draft": 0.1}, lookup_available=6)
     tail = choices[-200:]
     assert sum(c.source == "ngram" for c in tail) >= 190
     assert all(c.gamma <= 6 for c in tail if c.source == "ngram")   # capped by the match
     assert all(c.reason == "probe" for c in tail if c.source == "draft")
     # no n-gram continuation this round: the draft, judged on its own
-    source, gamma = policy.choose(ngram_available=0)
+    source, gamma = policy.choose(lookup_available=0)
     assert source == "draft" and gamma > 0
 
 
 def test_draft_preferred_when_the_ngram_rarely_matches_the_target():
     policy = SessionPolicy(PolicyConfig(max_gamma=8))
-    choices = simulate(policy, 300, {"draft": 0.9, "ngram": 0.1}, {"draft": 0.05}, ngram_available=8)
+    choices = simulate(policy, 300, {"draft": 0.9, "ngram": 0.1}, {"draft": 0.05}, lookup_available=8)
     assert sum(c.source == "draft" for c in choices[-100:]) >= 90
 
 
@@ -141,7 +141,7 @@ def test_the_coordinator_wide_draft_alpha_keeps_a_few_rejections_from_pricing_th
     """A session's own draft α forgets fast: eight rejected rounds after six good ones pull it to
     ~0.6, where prompt lookup at α ~0.2 looked better. The pair's α over all sessions (0.95 here)
     stays in the estimate with draft_prior_weight trials' worth, and the draft keeps its rounds."""
-    from coordinator.speculation import FixedCosts
+    from coordinator.policy.speculation import FixedCosts
 
     prior = AcceptanceEstimate(0.98)
     for i in range(30):
@@ -160,8 +160,8 @@ def test_the_coordinator_wide_draft_alpha_keeps_a_few_rejections_from_pricing_th
     alone, shrunk = after_a_bad_stretch(None), after_a_bad_stretch(prior)
     assert alone.alpha("ngram") == shrunk.alpha("ngram") < 0.25  # prompt lookup's stays its own
     assert alone.alpha("draft") < 0.65 < shrunk.alpha("draft") < prior.alpha
-    assert alone.choose(ngram_available=4).source == "ngram"
-    assert shrunk.choose(ngram_available=4).source == "draft"
+    assert alone.choose(lookup_available=4).source == "ngram"
+    assert shrunk.choose(lookup_available=4).source == "draft"
     # a prior still warming up is not used
     young = AcceptanceEstimate(0.98)
     young.observe(4, 4)
@@ -175,8 +175,8 @@ def test_overrides_are_respected():
     assert tuple(policy.choose(mode="none", fixed_gamma=5)) == ("none", 0)
     assert tuple(policy.choose(mode="draft", fixed_gamma=5)) == ("draft", 5)
     assert tuple(policy.choose(mode="draft", fixed_gamma=12, max_gamma=10)) == ("draft", 10)
-    assert tuple(policy.choose(mode="ngram", fixed_gamma=5, ngram_available=2)) == ("ngram", 2)
-    choice = policy.choose(mode="ngram", fixed_gamma=5, ngram_available=0)
+    assert tuple(policy.choose(mode="ngram", fixed_gamma=5, lookup_available=2)) == ("ngram", 2)
+    choice = policy.choose(mode="ngram", fixed_gamma=5, lookup_available=0)
     assert (choice.source, choice.gamma, choice.reason) == ("none", 0, "unavailable")
     assert tuple(policy.choose(mode="draft", fixed_gamma=3, draft_available=False)) == ("none", 0)
     # fixed γ, source left to the policy: never "none" while a source is there
@@ -186,7 +186,7 @@ def test_overrides_are_respected():
     choices = simulate(policy, 50, {"draft": 0.0}, {"draft": 0.05}, mode="draft")
     assert sum(c.source == "draft" for c in choices) <= 2
     # a fixed n-gram source never calls the draft
-    choices = simulate(policy, 50, {"ngram": 1.0}, {}, mode="ngram", ngram_available=3)
+    choices = simulate(policy, 50, {"ngram": 1.0}, {}, mode="ngram", lookup_available=3)
     assert {c.source for c in choices} == {"ngram"}
     with pytest.raises(ValueError):
         policy.choose(mode="eagle")
@@ -288,18 +288,18 @@ def test_ngram_alpha_is_kept_per_match_length():
     policy = SessionPolicy(PolicyConfig(max_gamma=8))
     for i in range(200):
         order = 3 if i % 2 else 1
-        choice = policy.choose(ngram_available=8, ngram_order=order, draft_available=False)
+        choice = policy.choose(lookup_available=8, lookup_order=order, draft_available=False)
         if choice.source == "ngram":
             accepted = choice.gamma if order == 3 else 0
             policy.observe("ngram", choice.gamma, accepted, verify_seconds=VERIFY_S * (1 + 0.01 * choice.gamma),
-                           verified_tokens=choice.gamma + 1, ngram_order=order)
-    assert policy.ngram_alpha(3) == 1.0 and policy.ngram_alpha(1) == 0.0
+                           verified_tokens=choice.gamma + 1, lookup_order=order)
+    assert policy.lookup_alpha(3) == 1.0 and policy.lookup_alpha(1) == 0.0
     assert 0.0 < policy.alpha("ngram") < 1.0
-    long = policy.choose(ngram_available=8, ngram_order=3, draft_available=False)
+    long = policy.choose(lookup_available=8, lookup_order=3, draft_available=False)
     assert (long.source, long.gamma) == ("ngram", 8)
-    assert policy.choose(ngram_available=8, ngram_order=1, draft_available=False).source == "none"
+    assert policy.choose(lookup_available=8, lookup_order=1, draft_available=False).source == "none"
     # a length without its own trials yet: the overall estimate
-    assert policy.ngram_alpha(2) == policy.alpha("ngram")
+    assert policy.lookup_alpha(2) == policy.alpha("ngram")
 
 
 def test_a_fit_with_a_negative_intercept_falls_back_to_its_assumption():
@@ -328,7 +328,7 @@ def test_gamma_falls_under_load_when_the_batch_stops_being_free():
         rng = random.Random(load)
         choices = []
         for _ in range(rounds):
-            choice = policy.choose(ngram_available=0, load=load)
+            choice = policy.choose(lookup_available=0, load=load)
             source, gamma = choice
             accepted = accepted_count(rng, 0.7, gamma)
             batch = gamma + 1 + sum(rng.randint(1, 7) for _ in range(load - 1))  # the others' tokens
@@ -345,7 +345,7 @@ def test_gamma_falls_under_load_when_the_batch_stops_being_free():
 def test_a_source_that_was_winning_is_probed_soon_after_it_stops():
     """A few rejections can pull a good draft's α under break-even; it is probed after
     `lapsed_probe_interval` rounds, not `probe_interval`."""
-    from coordinator.speculation import FixedCosts
+    from coordinator.policy.speculation import FixedCosts
 
     config = PolicyConfig(max_gamma=8, probe_interval=16, lapsed_probe_interval=4)
     policy = SessionPolicy(config, FixedCosts(0.3))

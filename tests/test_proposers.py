@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.runtime.loader import load_model
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -246,7 +246,7 @@ def test_tiers_on_the_same_cores_send_no_prompt_alongside(small_vocab_models, tm
     ids = [5, 5, 5]
     recorder = RequestRecorder("Propose")
     with Cluster(draft, target, coordinator={"draft_cost_ratio": 0.1}, interceptors=[recorder]) as cluster:
-        assert not cluster.coordinator.engine.draft_model.beside_verification
+        assert not cluster.coordinator.round_loop.draft_model.beside_verification
         cluster.complete(token_ids=ids, max_new_tokens=8, ignore_eos=True, proposer=proposer("draft"))
         recorder.calls.clear()
         response = cluster.complete(token_ids=ids, max_new_tokens=96, ignore_eos=True, proposer=proposer("auto"))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdec.config import DraftConfig, TargetConfig
-from specdec.runtime.loader import ModelLoadError, load_model
+from specdec.runtime.loader import load_model
+from specdec.tokenizer import ModelLoadError
 from specdec.runtime.quantize import Int4Linear, Int8Linear
 from specdec.runtime.engines import runner_from_config
 from specdec.v1 import coordinator_pb2

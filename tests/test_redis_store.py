@@ -13,11 +13,11 @@ import grpc
 import pytest
 import redis
 
-from coordinator.redis_store import HOLDER_PREFIX, RedisSessionStore, _keys
-from coordinator.memory_store import MemorySessionStore
-from coordinator.store import Lease, Placement
-from coordinator.stores import open_store
-from specdec import tiny
+from coordinator.sessions.redis_store import HOLDER_PREFIX, RedisSessionStore, _keys
+from coordinator.sessions.memory_store import MemorySessionStore
+from coordinator.sessions.store import Lease, Placement
+from coordinator.sessions.stores import open_store
+from specdec_cli import tiny
 from specdec.errors import FailedPrecondition, NotFound, SessionBusy, Unavailable
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster

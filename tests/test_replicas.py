@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from coordinator.routing import rank
+from coordinator.sessions.routing import rank
 from draft_service import server as draft_server
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.config import DraftConfig
 from specdec.runtime.loader import load_model
 from tests.procs import Coordinator, ServiceProcess

@@ -228,7 +228,7 @@ def test_cancel_or_deadline_releases_everything(models, how):
         time.sleep(0.3)
         assert len(cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=sid)).token_ids) == length
         assert length < first.stats.prompt_tokens + 4 + 2 + 480  # it stopped early
-        assert cluster.coordinator.engine.active == 0
+        assert cluster.coordinator.round_loop.active == 0
         # the session is free again and continues from what was committed
         more = cluster.complete(session_id=sid, prompt=" on", max_new_tokens=4, ignore_eos=True)
         assert len(more.token_ids) == 4

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from coordinator.routing import rank, weight
+from coordinator.sessions.routing import rank, weight
 
 pytestmark = pytest.mark.unit
 

@@ -23,7 +23,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.runtime.loader import load_model
-from specdec.sampling import target_probs
+from specdec.maths.sampling import target_probs
 from specdec.types import SamplingParams
 from tests.cluster import Cluster
 from tests.test_draft_ahead import AHEAD

@@ -7,12 +7,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.acceptance import accept_greedy, accept_sampled
-from specdec.draft_q import DraftQ
+from specdec.maths.acceptance import accept_greedy, accept_sampled
+from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.rng import RequestRng
 from specdec.runtime.generators import make_generator
-from specdec.sampling import densify, proposal_top_k, target_probs, truncate_top_k, warp_logits
+from specdec.maths.sampling import proposal_top_k, target_probs, truncate_top_k, warp_logits
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -58,6 +58,14 @@ def test_temperature_applies_before_top_p(temperature, top_p, kept):
     assert (probs > 0).nonzero().flatten().tolist() == kept
     expected = torch.softmax(logits[0, kept] / temperature, dim=0)
     assert torch.allclose(probs[kept], expected)
+
+
+def densify(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Sparse rows back to dense (how a test compares a truncated q with p). ids/probs [n, k] -> [n, vocab]; ids >= vocab are dropped."""
+    dense = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.float32, device=probs.device)
+    ids = ids.clamp(max=vocab).masked_fill(ids < 0, vocab)  # out-of-range ids land in a spill column
+    dense.scatter_add_(1, ids, probs.float())
+    return dense[:, :vocab]
 
 
 def test_truncate_top_k_and_densify_round_trip():
@@ -292,7 +300,7 @@ def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def test_top_p_without_a_full_sort_keeps_the_same_tokens(scale, top_p):
     """Peaked rows keep a few tokens (found in the top 64); flat rows need most of the 5,000
     tokens, past the first k, so the ranking widens — the same set as a full sort either way."""
-    from specdec.sampling import _nucleus
+    from specdec.maths.sampling import _nucleus
 
     generator = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 1000))
     logits = torch.randn(6, 5000, generator=generator, dtype=torch.float64).float() * scale

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.server import StartupError, start as start_coordinator
-from specdec import tiny
+from specdec_cli import tiny
 from specdec.fingerprint import fingerprint
 from specdec.config import CoordinatorConfig, TargetConfig
 from specdec.runtime.loader import load_model

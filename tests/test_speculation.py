@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.proposers.prompt_lookup import one_hot_dists
-from coordinator.speculation import FixedCosts, Speculation
+from coordinator.policy.speculation import FixedCosts, Speculation
+from coordinator.sources.base import one_hot_dists
+from coordinator.sources.prompt_lookup import PromptLookup
 from specdec.types import SparseDist
+from tests.planning import plan_round
 
 pytestmark = pytest.mark.unit
 
@@ -15,7 +17,7 @@ HISTORY = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # the suffix 5 6 7 occurred before, follo
 
 
 def speculation(**kwargs) -> Speculation:
-    return Speculation(max_gamma=8, default_gamma=4, ngram_max=3, ngram_max_tokens=8, **kwargs)
+    return Speculation(max_gamma=8, default_gamma=4, **kwargs)
 
 
 def test_one_hot_dists():
@@ -24,21 +26,21 @@ def test_one_hot_dists():
 
 def test_ngram_plan_carries_the_looked_up_tokens():
     spec = speculation().start("s", "ngram", None)
-    plan = spec.plan(HISTORY, cap=3, draft_available=True)
+    plan = plan_round(spec, HISTORY, cap=3, draft_available=True)
     assert (plan.source, plan.gamma, plan.tokens, plan.reason) == ("ngram", 3, [8, 1, 2], "warmup")
     # no match: nothing to propose, plain decoding
-    assert spec.plan([1, 2, 3], cap=3, draft_available=True).source == "none"
+    assert plan_round(spec, [1, 2, 3], cap=3, draft_available=True).source == "none"
 
 
 def test_overrides():
     spec = speculation()
-    assert spec.start("a", "none", None).plan(HISTORY, 8, True).source == "none"
-    assert spec.start("b", "auto", 0).plan(HISTORY, 8, True).gamma == 0
-    fixed = spec.start("c", "draft", 5).plan(HISTORY, 8, True)
+    assert plan_round(spec.start("a", "none", None), HISTORY, 8, True).source == "none"
+    assert plan_round(spec.start("b", "auto", 0), HISTORY, 8, True).gamma == 0
+    fixed = plan_round(spec.start("c", "draft", 5), HISTORY, 8, True)
     assert (fixed.source, fixed.gamma, fixed.tokens) == ("draft", 5, [])
-    assert spec.start("d", "draft", 5).plan(HISTORY, 2, True).gamma == 2  # the round's cap wins
-    assert spec.start("e", "draft", None).plan(HISTORY, 8, False).source == "none"  # draft down
-    assert spec.start("f", "ngram", 2).plan(HISTORY, 8, True).tokens == [8, 1]
+    assert plan_round(spec.start("d", "draft", 5), HISTORY, 2, True).gamma == 2  # the round's cap wins
+    assert plan_round(spec.start("e", "draft", None), HISTORY, 8, False).source == "none"  # draft down
+    assert plan_round(spec.start("f", "ngram", 2), HISTORY, 8, True).tokens == [8, 1]
     assert not spec.start("g", "ngram", None).uses_draft and spec.start("h", "auto", None).uses_draft
     with pytest.raises(ValueError):
         spec.start("i", "eagle", None)
@@ -48,11 +50,11 @@ def test_new_sessions_start_from_the_coordinator_wide_alpha():
     spec = speculation(cost_ratio=0.1)
     first = spec.start("first", "draft", None)
     for _ in range(6):  # a draft that is always wrong
-        plan = first.plan(HISTORY, 8, True)
+        plan = plan_round(first, HISTORY, 8, True)
         first.observe(plan.source, plan.gamma, 0, propose_seconds=None, verify_seconds=None,
                       verified_tokens=plan.gamma + 1)
     assert spec.priors["draft"].alpha == 0.0
-    later = spec.start("later", "draft", None).plan(HISTORY, 8, True)
+    later = plan_round(spec.start("later", "draft", None), HISTORY, 8, True)
     assert (later.source, later.reason) == ("none", "best")  # no warm-up rounds spent on it
     # a continued session keeps its own policy
     assert spec.policy("first") is first.policy
@@ -81,18 +83,18 @@ def test_bad_settings():
     with pytest.raises(ValueError):
         speculation(cost_ratio=-1.0)
     with pytest.raises(ValueError):
-        Speculation(max_gamma=8, default_gamma=4, ngram_max=0, ngram_max_tokens=8)
+        PromptLookup(max_ngram=0, max_tokens=8)
 
 
 def test_auto_draft_plans_carry_lookup_hints_and_draft_plans_do_not():
     spec = speculation(cost_ratio=0.1)
     auto = spec.start("a", "auto", None)
-    plan = auto.plan(HISTORY, cap=6, draft_available=True)  # warm-up at γ = 4: the draft first
+    plan = plan_round(auto, HISTORY, cap=6, draft_available=True)  # warm-up at γ = 4: the draft first
     assert (plan.source, plan.gamma, plan.tokens) == ("draft", 4, [8, 1])  # cap - γ hints
-    assert spec.start("b", "draft", None).plan(HISTORY, 6, True).tokens == []
-    assert spec.start("c", "auto", 3).plan(HISTORY, 6, True).tokens == []  # a fixed γ proposes γ
-    assert Speculation(8, 4, 3, 8, cost_ratio=0.1, draft_hints=False).start("d", "auto", None).plan(
-        HISTORY, 6, True).tokens == []
+    assert plan_round(spec.start("b", "draft", None), HISTORY, 6, True).tokens == []
+    assert plan_round(spec.start("c", "auto", 3), HISTORY, 6, True).tokens == []  # a fixed γ proposes γ
+    assert plan_round(Speculation(8, 4, cost_ratio=0.1, draft_hints=False).start("d", "auto", None),
+                      HISTORY, 6, True).tokens == []
 
 
 def test_kept_hints_are_left_out_of_the_drafts_alpha():
@@ -112,12 +114,12 @@ def test_lookup_alpha_per_match_length_reaches_new_sessions():
     spec = speculation()
     first = spec.start("first", "ngram", None)
     for _ in range(4):  # the 3-token suffix of HISTORY: always right
-        plan = first.plan(HISTORY, 3, True)
-        assert first.ngram.last_order == 3
+        plan = plan_round(first, HISTORY, 3, True)
+        assert first._order == 3  # the match length of the planned lookup
         first.observe(plan.source, plan.gamma, plan.gamma, propose_seconds=0.0, verify_seconds=None,
                       verified_tokens=plan.gamma + 1)
     assert spec.order_priors[3].alpha == 1.0
-    assert spec.start("later", "ngram", None).policy.ngram_alpha(3) == 1.0
+    assert spec.start("later", "ngram", None).policy.lookup_alpha(3) == 1.0
 
 
 def test_sessions_share_the_probes_of_a_draft_that_does_not_pay():
@@ -128,7 +130,7 @@ def test_sessions_share_the_probes_of_a_draft_that_does_not_pay():
     spec = speculation(cost_ratio=0.5)
     first = spec.start("first", "draft", None)
     for _ in range(2):  # the warm-up of a draft that is always wrong
-        plan = first.plan([1, 2, 3], 8, True)
+        plan = plan_round(first, [1, 2, 3], 8, True)
         assert plan.reason == "warmup"
         first.observe(plan.source, plan.gamma, 0, propose_seconds=None, verify_seconds=None,
                       verified_tokens=plan.gamma + 1)
@@ -136,7 +138,7 @@ def test_sessions_share_the_probes_of_a_draft_that_does_not_pay():
     for n in range(20):
         spec_n = spec.start(f"s{n}", "draft", None)
         for i in range(30):
-            plan = spec_n.plan([1, 2, 3], 8, True)
+            plan = plan_round(spec_n, [1, 2, 3], 8, True)
             spec_n.observe(plan.source, plan.gamma, 0, propose_seconds=None, verify_seconds=None,
                            verified_tokens=plan.gamma + 1)
             if plan.source == "draft":
@@ -156,7 +158,7 @@ def test_a_new_text_session_is_believed_at_every_match_length():
     copying = spec.start("copying", "auto", None)
     for round_ in range(30):
         order = 1 + round_ % 3
-        choice = copying.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
+        choice = copying.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
         copying._order = order if choice.source == "ngram" else 0
         copying.observe(choice.source, choice.gamma, choice.gamma, propose_seconds=None,
                         verify_seconds=None, verified_tokens=choice.gamma + 1)
@@ -165,16 +167,16 @@ def test_a_new_text_session_is_believed_at_every_match_length():
     chosen_lookups = 0  # rounds the policy gave prompt lookup as the best source (not probes)
     for round_ in range(30):
         order = 1 + round_ % 3
-        choice = new_text.policy.choose(max_gamma=8, ngram_available=8, ngram_order=order)
+        choice = new_text.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
         new_text._order = order if choice.source == "ngram" else 0
         accepted = 0 if choice.source == "ngram" else choice.gamma
         chosen_lookups += choice.source == "ngram" and choice.reason == "best"
         new_text.observe(choice.source, choice.gamma, accepted, propose_seconds=None,
                          verify_seconds=None, verified_tokens=choice.gamma + 1)
     assert chosen_lookups <= 2  # learning each match length in turn, it was 6 (twice at each)
-    assert max(new_text.policy.ngram_alpha(order) for order in (1, 2, 3)) < 0.5
+    assert max(new_text.policy.lookup_alpha(order) for order in (1, 2, 3)) < 0.5
     # a copying session that starts now is still believed at once
-    assert spec.start("copying again", "auto", None).policy.ngram_alpha(3) == 1.0
+    assert spec.start("copying again", "auto", None).policy.lookup_alpha(3) == 1.0
 
 
 def test_a_new_session_counts_the_coordinator_wide_draft_alpha_once():
@@ -184,7 +186,7 @@ def test_a_new_session_counts_the_coordinator_wide_draft_alpha_once():
     spec = speculation(cost_ratio=0.1)
     first = spec.start("first", "draft", None)
     for accepted in (4, 4, 2, 4, 0, 4):
-        plan = first.plan(HISTORY, 4, True)
+        plan = plan_round(first, HISTORY, 4, True)
         first.observe(plan.source, plan.gamma, accepted, propose_seconds=None, verify_seconds=None,
                       verified_tokens=plan.gamma + 1)
     shared = spec.priors["draft"].alpha
@@ -202,11 +204,11 @@ def test_a_tree_round_carries_prompt_lookups_branch_where_lookup_would_pay():
     the request asked for), the draft proposer alone, or a lookup that does not pay carry none."""
     spec = speculation(cost_ratio=0.1)
 
-    def planned(name, mode, fixed_gamma, ngram_alpha):
+    def planned(name, mode, fixed_gamma, lookup_alpha):
         request = spec.start(name, mode, fixed_gamma, tree_nodes=4, pair_grows_trees=True)
         request.policy.seed("draft", 0.95, 100)
-        request.policy.seed("ngram", ngram_alpha, 100)
-        return request.plan(HISTORY, 8, True)
+        request.policy.seed("ngram", lookup_alpha, 100)
+        return plan_round(request, HISTORY, 8, True)
 
     plan = planned("auto", "auto", None, 0.5)
     # verification is flat under a pinned cost ratio: lookup's 8 tokens all pay (the copy of
@@ -219,5 +221,5 @@ def test_a_tree_round_carries_prompt_lookups_branch_where_lookup_would_pay():
     request = spec.start("several", "auto", None, tree_nodes=4, pair_grows_trees=True)
     request.policy.seed("draft", 0.95, 100)
     request.policy.seed("ngram", 0.5, 100)
-    several = request.plan([4, 9, 1, 4, 9, 2, 4, 9, 3, 4, 9], 3, True)
+    several = plan_round(request, [4, 9, 1, 4, 9, 2, 4, 9, 3, 4, 9], 3, True)
     assert several.branches == [[3, 4, 9], [2, 4, 9], [1, 4, 9]]

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.clients import DraftClient, TargetClient
+from coordinator.sessions.clients import DraftClient, TargetClient
 from specdec import errors
 from specdec.config import DraftConfig, TargetConfig
 from specdec.fingerprint import fingerprint

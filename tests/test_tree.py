@@ -1,4 +1,4 @@
-"""Token trees (specdec/tree.py) and their acceptance step (specdec/tree_acceptance.py) on
+"""Token trees (specdec/maths/tree.py) and their acceptance step (specdec/maths/tree_acceptance.py) on
 hand-built trees and logits."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.draft_q import DraftQ
+from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
-from specdec.sampling import target_probs
+from specdec.maths.sampling import target_probs
 from specdec.runtime.batch_cache import ancestor_mask
-from specdec.tree import TokenTree, graft, subtree
-from specdec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
+from specdec.maths.tree import TokenTree, graft, subtree
+from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.policy import (
-    CostModel, PolicyConfig, SessionPolicy, expected_tokens, tree_budgets, tree_expected_tokens,
-)
-from coordinator.speculation import FixedCosts, Speculation, auto_tree_budget
-from specdec.tree import TokenTree
+from coordinator.policy.estimates import CostModel, expected_tokens, tree_budgets, tree_expected_tokens
+from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
+from coordinator.policy.speculation import FixedCosts, Speculation, auto_tree_budget
+from specdec.maths.tree import TokenTree
 from specdec.types import Proposer, Trees
+from tests.planning import plan_round
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def test_auto_tree_budget_only_where_the_pair_and_the_request_allow():
 
 def flat_speculation(trees: Trees = Trees.AUTO) -> Speculation:
     """Leviathan's flat verification (pinned c) and an unsure draft over all sessions."""
-    spec = Speculation(8, 4, 3, 16, cost_ratio=0.1, trees=trees)
+    spec = Speculation(8, 4, cost_ratio=0.1, trees=trees)
     prior = spec.priors[Proposer.DRAFT]
     prior.successes, prior.trials, prior.rounds = UNSURE * 1000, 1000.0, 100
     return spec
@@ -102,7 +102,7 @@ def flat_speculation(trees: Trees = Trees.AUTO) -> Speculation:
 def plans(spec: Speculation, rounds: int = 20, **start):
     request = spec.start("s", start.pop("mode", Proposer.AUTO), start.pop("fixed_gamma", None), **start)
     history = list(range(50))  # no repeats: prompt lookup finds nothing
-    return [request.plan(history, 8, True) for _ in range(rounds)]
+    return [plan_round(request, history, 8, True) for _ in range(rounds)]
 
 
 def test_auto_requests_get_trees_and_a_chain_only_pair_or_off_never():
@@ -123,20 +123,20 @@ def test_a_tree_reaches_no_deeper_than_the_room_left(cap):
     believing = spec.policy("s")  # a sure draft, and lookup believed enough to graft its tokens on
     believing.draft_prior = None
     believing.seed(Proposer.DRAFT, 0.9, 10_000)
-    believing.seed(Proposer.NGRAM, 0.5, 10_000)
+    believing.seed(Proposer.PROMPT_LOOKUP, 0.5, 10_000)
     request = spec.start("s", Proposer.AUTO, None, tree_nodes=8, pair_grows_trees=True)
     history = [1, 2, 3, 4, 5] * 6  # prompt lookup's continuations are long
-    for plan in [request.plan(history, cap, True) for _ in range(10)]:
+    for plan in [plan_round(request, history, cap, True) for _ in range(10)]:
         assert plan.source == Proposer.DRAFT and plan.tree_nodes == 8 and 0 < plan.gamma <= cap
         assert plan.branches and all(len(branch) <= cap for branch in plan.branches)
 
 
 def test_prompt_lookup_rounds_are_never_trees():
     spec = flat_speculation()
-    request = spec.start("s", Proposer.NGRAM, None, pair_grows_trees=True)
+    request = spec.start("s", Proposer.PROMPT_LOOKUP, None, pair_grows_trees=True)
     history = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
-    planned = [request.plan(history, 8, True) for _ in range(10)]
-    assert {p.source for p in planned} == {Proposer.NGRAM} and not any(p.tree_nodes for p in planned)
+    planned = [plan_round(request, history, 8, True) for _ in range(10)]
+    assert {p.source for p in planned} == {Proposer.PROMPT_LOOKUP} and not any(p.tree_nodes for p in planned)
 
 
 def test_a_tree_round_feeds_the_spine_to_alpha_and_its_alternatives_to_b():
@@ -146,7 +146,7 @@ def test_a_tree_round_feeds_the_spine_to_alpha_and_its_alternatives_to_b():
     #   |
     #   n3              the spine
     tree = TokenTree((5, 6, 7, 8), (0, 0, 0, 1))
-    spec = Speculation(8, 4, 3, 16, cost_ratio=0.1, trees=Trees.AUTO)
+    spec = Speculation(8, 4, cost_ratio=0.1, trees=Trees.AUTO)
     request = spec.start("s", Proposer.AUTO, None, pair_grows_trees=True)
     request.observe(Proposer.DRAFT, 4, 1, propose_seconds=None, verify_seconds=None, verified_tokens=5,
                     tree=tree, accepted_nodes=(2,))  # the spine's n0 rejected, n1 tried, n2 accepted
@@ -186,7 +186,7 @@ def test_tree_rounds_are_timed_apart_from_the_chains_steps():
     assert costs.relative_cost(Proposer.DRAFT, 4) == chain_before
     assert costs.relative_tree_cost(2, 8) == pytest.approx((0.06 + 0.26) / 0.1)
     # through the planner: a tree round's time is its spine's depth in the tree fit
-    spec = Speculation(8, 4, 3, 16, trees=Trees.AUTO)
+    spec = Speculation(8, 4, trees=Trees.AUTO)
     request = spec.start("s", Proposer.AUTO, None, pair_grows_trees=True)
     tree = TokenTree((5, 6, 7, 8), (0, 0, 0, 1))
     request.observe(Proposer.DRAFT, 4, 2, propose_seconds=0.05, verify_seconds=None, verified_tokens=5,

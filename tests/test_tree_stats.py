@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.stats import GenerationStats
 from specdec.metrics import Metrics
-from specdec.tree import TokenTree, TreeOutcome, tree_outcome
+from specdec.maths.tree import TokenTree, TreeOutcome, tree_outcome
 from specdec.types import Proposer
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ from specdec.runtime.kv_cache import SessionCaches
 from specdec.runtime.loader import load_model
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.session_runner import Row
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from specdec.types import SamplingParams
 from target_service.verifier import Verifier
 

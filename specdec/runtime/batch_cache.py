@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from specdec.runtime.kv_cache import KVBuffer, KVSpec
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 
 log = logging.getLogger(__name__)
 

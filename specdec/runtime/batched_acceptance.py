@@ -1,6 +1,6 @@
 """The acceptance step for a whole batch of chains, on the device, with one host read.
 
-`specdec/acceptance.py` decides one row at a time and reads each decision back to the host
+`specdec/maths/acceptance.py` decides one row at a time and reads each decision back to the host
 (`.item()`, `.tolist()`): on a GPU every read is a synchronisation, several per row. Here the
 same rule (Leviathan et al. 2023; greedy as the argmax rule) runs as a few tensor operations
 over every row of a verification batch at once, rows padded to the longest chain; the caller

@@ -120,8 +120,9 @@ def kv_tier_for(runner, config, engine: str = "torch", model_config=None, digest
         log.warning("%s: no prefix cache or K/V store: its K/V is a DynamicCache per session, which is "
                     "not cut into chunks", runner.description.model_id)
         return None
-    from specdec.kv_chunks import ChunkLayout, model_fingerprint
-    from specdec.kv_store import ChunkWriter, open_chunk_store
+    from specdec.kv.chunks import ChunkLayout, model_fingerprint
+    from specdec.kv.store import open_chunk_store
+    from specdec.kv.writer import ChunkWriter
     from specdec.runtime.kv_tier import KVTier, PrefixCache, weights_digest
 
     model_config = runner.model.config if model_config is None else model_config

@@ -1,7 +1,7 @@
 """A runner's K/V beyond its own sessions: the pod's prefix cache and the shared chunk store.
 
 A session's committed history is cut into chunks of `chunk_tokens` tokens; each full chunk has a
-content address (specdec/kv_chunks.py: a hash chain over the model's fingerprint, the cache salt
+content address (specdec/kv/chunks.py: a hash chain over the model's fingerprint, the cache salt
 and the token ids), so the same prefix has the same keys in every session, on every replica.
 
 - **Restore.** When a call brings a history the session's cache lacks (a new session's prompt, a
@@ -28,8 +28,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from specdec.kv_chunks import ChunkError, ChunkLayout, chunk_keys, decode_chunk, encode_chunk
-from specdec.kv_store import ChunkStore, ChunkWriter
+from specdec.kv.chunks import ChunkError, ChunkLayout, chunk_keys, decode_chunk, encode_chunk
+from specdec.kv.store import ChunkStore
+from specdec.kv.writer import ChunkWriter
 from specdec.runtime.kv_cache import SessionCache
 
 log = logging.getLogger(__name__)

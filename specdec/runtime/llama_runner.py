@@ -40,7 +40,7 @@ from specdec.errors import ResourceExhausted
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerprint
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from specdec.types import KVCacheType, ModelDescription
 
 log = logging.getLogger(__name__)

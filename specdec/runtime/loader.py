@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-# the tokenizer half lives in specdec.tokenizer (no torch); tokenizer_fingerprint stays
-# importable from here for the importers not yet moved there
-from specdec.tokenizer import ModelLoadError, load_tokenizer, model_source, tokenizer_fingerprint  # noqa: F401
+# the tokenizer half lives in specdec.tokenizer (no torch)
+from specdec.tokenizer import ModelLoadError, load_tokenizer, model_source
 from specdec.types import Quantization
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
 
-__all__ = ["ModelRunner", "Row"]  # Row: importers that predate session_runner.py
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 from specdec.errors import CacheMiss, InvalidArgument
 from specdec.logtag import session_tag
 from specdec.runtime.kv_cache import SessionCache, SessionCaches, common_prefix
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 from specdec.types import ModelDescription
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV
-from specdec.tree import TokenTree
+from specdec.maths.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,268 @@
+"""Each round's plan: which source proposes (draft model, prompt lookup, none) and how many tokens.
+
+`Speculation` is one per coordinator: the round-cost model shared by all sessions, the
+acceptance per source over all sessions (a new session starts from it rather than spending
+warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acceptance
+estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
+`RequestSpeculation`, which holds the request's override (proposer, fixed γ).
+
+The planner only chooses: prompt lookup (the source in coordinator/sources/prompt_lookup.py)
+looks the session's tokens up first and hands it a `Lookup`, what it found. A round:
+``plan = spec.plan(lookup, cap, draft_available)``; a prompt-lookup plan carries the tokens of
+the lookup it chose (the source proposes them with a one-hot q); under `auto` a
+draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
+forward and keeps where it agrees (so γ draft steps may propose more than γ tokens), and an
+adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
+unsure of (draft_service/proposer.py), so γ is a ceiling the draft fills only where it is sure; after
+verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
+A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
+an adaptive request whose draft and target handle trees, the policy's choice of a tree over a
+chain (`auto_tree_budget`, session_policy.py); a tree round feeds back its spine and its alternatives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specdec.maths.tree import TokenTree, tree_outcome
+from specdec.types import Proposer, Trees
+
+from coordinator.policy.estimates import SOURCES, AcceptanceEstimate, CostModel
+from coordinator.policy.session_policy import PolicyConfig, ProbeClock, SessionPolicy
+
+MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
+PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
+PRIOR_WEIGHT = 3.0   # a new session starts from that α worth this many trials
+LOOKUP_BRANCHES = 3  # a tree round grafts on what followed up to this many earlier occurrences
+
+
+class FixedCosts(CostModel):
+    """Leviathan's cost model with a given c: a round of γ draft tokens costs 1 + c·γ
+    plain-decode steps, prompt lookup and verification nothing extra. Timings are ignored,
+    so the choices depend only on acceptance (reproducible)."""
+
+    def __init__(self, cost_ratio: float) -> None:
+        super().__init__()
+        self.cost_ratio = cost_ratio
+
+    def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
+        c = self.cost_ratio if source == Proposer.DRAFT else 0.0
+        return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
+
+    def relative_tree_cost(self, depth: int, nodes: int, load: int = 1) -> float:
+        return 1.0 + self.cost_ratio * depth  # a draft forward per depth; verification flat
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What prompt lookup found in the session's tokens for a round, for the planner to choose from."""
+
+    tokens: list[int] = field(default_factory=list)  # what followed the suffix's latest earlier
+    #                                                  occurrence, at most the round's cap ([]: no match)
+    order: int = 0                                    # the length of the suffix that matched (0: none)
+    seconds: float = 0.0                              # what looking up took
+    # (γ, occurrences) -> γ tokens after each of the latest earlier occurrences, distinct, the latest first
+    continuations: Callable[[int, int], list[list[int]]] = lambda gamma, occurrences: []
+
+
+NO_LOOKUP = Lookup()  # the round does not look up (its request does not use prompt lookup)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's."""
+
+    source: Proposer            # DRAFT | PROMPT_LOOKUP | NONE
+    gamma: int                  # tokens to propose (draft: its steps; kept hints come on top)
+    tokens: list[int] = field(default_factory=list)  # prompt lookup: the proposal; draft: the hints
+    reason: str = ""
+    propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
+    speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
+    min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
+    tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain)
+    branches: list[list[int]] = field(default_factory=list)  # a draft tree: prompt lookup's continuations
+    #                                                           to graft on (the latest occurrence's first)
+
+
+def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair_grows_trees: bool,
+                     max_nodes: int) -> int:
+    """The most nodes the policy may give an adaptive draft round's tree (0: chains only): the
+    coordinator's --trees auto, a draft that grows trees and a target that verifies them, a
+    request that leaves tree_nodes unset (0; 1 asks for chains, 2+ for trees of that size) and
+    γ adaptive (a fixed γ stays a chain unless the request asks for a tree)."""
+    if trees != Trees.AUTO or requested != 0 or fixed_gamma is not None or not pair_grows_trees:
+        return 0
+    return max_nodes
+
+
+def is_governed(mode: Proposer, fixed_gamma: int | None) -> bool:
+    """Whether a request is adaptive `auto` (neither source nor γ fixed): the load governor may
+    switch it to plain decoding, and its draft rounds carry prompt lookup's hints."""
+    return mode == Proposer.AUTO and fixed_gamma is None
+
+
+class RequestSpeculation:
+    """One request's planner: its override and the session's policy."""
+
+    def __init__(self, policy: SessionPolicy, mode: Proposer,
+                 fixed_gamma: int | None, priors: dict[Proposer, AcceptanceEstimate] | None = None,
+                 draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
+                 min_confidence: float = 0.0, tree_nodes: int = 0, max_tree_nodes: int = 0) -> None:
+        mode = Proposer(mode)  # ValueError for anything else
+        self.policy, self.mode, self.fixed_gamma = policy, mode, fixed_gamma
+        self.priors = priors if priors is not None else {}
+        self.governed = is_governed(mode, fixed_gamma)
+        self.draft_hints = draft_hints and self.governed  # a fixed γ is γ tokens
+        self.min_confidence = min_confidence if fixed_gamma is None else 0.0  # likewise
+        # prompt lookup's α per match length over all sessions (fed here, read by new sessions)
+        self.order_priors = order_priors if order_priors is not None else {}
+        self._order = 0  # the match length of the planned prompt-lookup round
+        self.load = 1  # generations sharing the target (set by the round loop before each plan)
+        self.tree_nodes = tree_nodes if tree_nodes > 1 else 0  # every draft round a tree of this many nodes
+        self.max_tree_nodes = 0 if self.tree_nodes else max_tree_nodes  # or the policy's, up to this many
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether this request may call the draft model at all."""
+        return self.mode in (Proposer.AUTO, Proposer.DRAFT) and self.fixed_gamma != 0
+
+    def looks_up(self, cap: int, allowed: bool = True) -> bool:
+        """Whether the next round's plan would use what prompt lookup finds (else it need not look)."""
+        return ((allowed or not self.governed) and self.mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP)
+                and cap > 0 and self.fixed_gamma != 0)
+
+    def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True) -> Plan:
+        """The next round's source and γ (at most `cap`: tokens left, context room, limits), given
+        what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used).
+        allowed=False: the coordinator measured that speculation does not pay under the current
+        load (load_governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
+        if not allowed and self.governed:
+            return Plan(Proposer.NONE, 0, [], "load")
+        t0 = time.perf_counter()
+        candidates = lookup.tokens[:cap] if self.looks_up(cap) else []
+        self._order = lookup.order if candidates else 0
+        choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
+                                    draft_available=draft_available, mode=self.mode,
+                                    fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
+                                    max_tree_nodes=self.max_tree_nodes)
+        if choice.source == Proposer.PROMPT_LOOKUP:
+            return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
+                        lookup.seconds + time.perf_counter() - t0, choice.speedup)
+        if choice.source == Proposer.DRAFT:
+            tree_nodes = self.tree_nodes or choice.tree_nodes
+            if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as branches
+                # the room left (cap) bounds a tree by its depth: γ ≤ cap, and every branch is cut
+                # to lookup's candidates (≤ cap); its nodes, by the services' limit only
+                gamma = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
+                         if candidates and self.governed else 0)  # a fixed γ: the tree asked for
+                branches = lookup.continuations(gamma, LOOKUP_BRANCHES) if gamma else []
+                return Plan(Proposer.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
+                            tree_nodes=tree_nodes, branches=branches)
+            hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
+            return Plan(Proposer.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
+                        min_confidence=self.min_confidence)
+        return Plan(choice.source, choice.gamma, [], choice.reason, speedup=choice.speedup)
+
+    def describe(self, plan: Plan) -> str:
+        """A round's plan with the estimates behind it, for the debug log."""
+        alpha, lookup_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.lookup_alpha(self._order)
+        shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
+        return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
+                f"{_fmt(alpha)} prompt lookup {_fmt(lookup_alpha)}; draft round of 4 costs "
+                f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load})")
+
+    def observe(self, source: Proposer, proposed: int, accepted: int, *,
+                propose_seconds: float | None, verify_seconds: float | None,
+                verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None,
+                tree: TokenTree | None = None, accepted_nodes: tuple[int, ...] = (),
+                lookup_nodes: int = 0) -> None:
+        """After a round: `source` proposed `proposed` tokens (0 when it fell back to plain
+        decoding), `accepted` of them kept; a draft round's first `hints_kept` were hints it
+        kept. A time of None leaves the round out of the timings (a catch-up prefill, a resend
+        after a cache miss).
+
+        The draft's α and step cost are about its own tokens: the kept hints are left out of
+        both (its own tokens were tried only when the target accepted every kept hint). A tree
+        (`tree`, the target's `accepted_nodes`) counts as the chain of its spine for α, its time
+        goes to the tree rounds' own fit of the draft (one forward per depth, each carrying
+        several nodes), and its alternatives beside the spine node the target rejected measure b
+        (policy.branch_alpha); its last `lookup_nodes` nodes, prompt lookup's grafted branches,
+        are neither."""
+        if tree is not None and proposed:
+            outcome = tree_outcome(tree, accepted_nodes, len(tree) - lookup_nodes)
+            self.policy.observe_branches(outcome.alternatives_tried, outcome.alternatives_accepted)
+            proposed, accepted = outcome.spine_proposed, outcome.spine_accepted
+        if proposed == 0:
+            source = Proposer.NONE
+        own, own_accepted = proposed - hints_kept, accepted - hints_kept
+        tried = own_accepted >= 0
+        order = self._order if source == Proposer.PROMPT_LOOKUP else 0
+        self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
+                            verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
+                            lookup_order=order, batch_tokens=batch_tokens,
+                            tree=tree is not None and proposed > 0)
+        if source in self.priors and tried:
+            self.priors[source].observe(own, own_accepted)
+        if order and own:
+            self.order_priors.setdefault(order, AcceptanceEstimate(PRIOR_DECAY)).observe(own, own_accepted)
+
+
+class Speculation:
+    """One per coordinator: the shared round costs and the sessions' policies."""
+
+    def __init__(self, max_gamma: int, default_gamma: int, cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True,
+                 min_confidence: float = 0.0, trees: Trees = Trees.OFF) -> None:
+        if cost_ratio < 0:
+            raise ValueError(f"draft cost ratio must be >= 0 (0 = measure), got {cost_ratio}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"draft min confidence must be in [0, 1) (0 = off), got {min_confidence}")
+        self.config = PolicyConfig(max_gamma=max_gamma, default_gamma=max(1, min(default_gamma, max_gamma)),
+                                   probe_gamma=max(1, min(2, max_gamma)))
+        self.costs = FixedCosts(cost_ratio) if cost_ratio > 0 else CostModel(
+            self.config.timing_decay, self.config.default_cost_ratio)
+        self.max_sessions, self.draft_hints, self.min_confidence = max_sessions, draft_hints, min_confidence
+        self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
+        # α per source over all sessions: a new session starts from it instead of warming up
+        self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
+        self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's, per match length
+        # when the draft is probed next, over the sessions that start from its coordinator-wide α
+        self.draft_probe_clock = ProbeClock(self.config.probe_interval)
+        self.trees = Trees(trees)  # --trees: whether adaptive draft rounds may propose trees
+        # b over all sessions (an alternative's acceptance where the spine was rejected): the pair's
+        self.branch = AcceptanceEstimate(PRIOR_DECAY)
+
+    def policy(self, session_id: str) -> SessionPolicy:
+        """The session's policy (a fresh one for a session not seen, or forgotten; it starts from
+        the coordinator-wide α of the sources that have one)."""
+        policy = self._policies.get(session_id)
+        if policy is None:
+            policy = self._policies[session_id] = SessionPolicy(
+                self.config, self.costs, self.priors[Proposer.DRAFT], self.draft_probe_clock, self.branch,
+                self.priors[Proposer.PROMPT_LOOKUP], self.order_priors)
+            for source, prior in self.priors.items():
+                if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
+                    policy.seed(source, prior.alpha, PRIOR_WEIGHT)
+            while len(self._policies) > self.max_sessions:
+                self._policies.popitem(last=False)
+        self._policies.move_to_end(session_id)
+        return policy
+
+    def forget(self, session_id: str) -> None:
+        self._policies.pop(session_id, None)
+
+    def start(self, session_id: str, mode: Proposer, fixed_gamma: int | None, tree_nodes: int = 0,
+              pair_grows_trees: bool = False) -> RequestSpeculation:
+        """A request's planner. tree_nodes: the request's (0 unset, 1 chains, 2+ a tree of that
+        many nodes every draft round); pair_grows_trees: the draft grows trees and the target
+        verifies them (else every round is a chain)."""
+        budget = auto_tree_budget(self.trees, tree_nodes, fixed_gamma, pair_grows_trees, self.config.max_gamma)
+        return RequestSpeculation(self.policy(session_id), mode, fixed_gamma, self.priors,
+                                  self.draft_hints, self.order_priors, self.min_confidence,
+                                  tree_nodes if pair_grows_trees else 0, budget)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

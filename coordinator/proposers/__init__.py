@@ -1,1 +1,0 @@
-"""Proposal sources: one module per source behind one interface (`base.ProposalSource`)."""

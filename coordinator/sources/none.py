@@ -1,0 +1,15 @@
+"""No proposals: plain target decoding (γ = 0), the baseline and the fallback."""
+
+from __future__ import annotations
+
+from specdec.types import Proposer
+
+from coordinator.sources.base import ProposalSource
+from coordinator.rounds import Drafts, Round
+
+
+class NoProposals(ProposalSource):
+    proposer = Proposer.NONE
+
+    async def propose(self, rnd: Round) -> Drafts:
+        return Drafts()
