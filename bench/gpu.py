@@ -9,7 +9,7 @@ models of Qwen2.5's real shapes in a temporary directory (bench/gpu_models.py: t
 "self-draft" sharing its embeddings, first layers and head, its later layers' output projections
 zeroed so the pair agrees, α ≈ 1; an unrelated 0.5B-shaped draft, α ≈ 0) with the Qwen2.5
 tokenizer files `specdec models fetch` leaves in its cache (--tokenizer; on a CPU without them,
-a tiny shape and specdec.tiny's tokenizer), then measures, in one run:
+a tiny shape and specdec_cli.tiny's tokenizer), then measures, in one run:
 
   the device's copy bandwidth, hence each shape's memory roofline (weight bytes / bandwidth);
   per engine (--backends: torch, graph), in-process: the decode step and the verification curve
@@ -265,7 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokenizer", default="",
                         help="directory of Qwen2.5's tokenizer files (default: the one `specdec models fetch` "
-                             "left in its cache; on a CPU without one, specdec.tiny's tokenizer and a tiny shape)")
+                             "left in its cache; on a CPU without one, specdec_cli.tiny's tokenizer and a tiny shape)")
     parser.add_argument("--shapes", default="",
                         help=f"target shapes, comma-separated, run in that order: {', '.join(gpu_models.SHAPES)} "
                              "(default: 1.5b,7b on a GPU; small on a CPU with the tokenizer, tiny without)")
@@ -303,7 +303,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argpar
     """Fill the defaults that depend on the device, the tokenizer and --quick; refuse what cannot run."""
     cpu = args.device == "cpu"
     if not args.tokenizer:
-        from specdec.models import PAIR, model_dir
+        from specdec_cli.model_pair import PAIR, model_dir
 
         fetched = model_dir(PAIR[0])
         if (fetched / "tokenizer.json").is_file():

@@ -11,7 +11,7 @@ real step times, and their acceptance is set by construction:
   adaptive policy must recognise.
 
 The tokenizer is Qwen2.5's (the files `specdec models fetch` leaves in its cache, given as a
-directory) or, where none is at hand, specdec.tiny's byte-level one with a tiny shape.
+directory) or, where none is at hand, specdec_cli.tiny's byte-level one with a tiny shape.
 Output rows of ids past the tokenizer's ordinary vocabulary (special and padding ids) are
 zeroed, so random weights rarely pick one.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-TINY_TOKENIZER = "tiny"  # the tokenizer's name when specdec.tiny built it
+TINY_TOKENIZER = "tiny"  # the tokenizer's name when specdec_cli.tiny built it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
@@ -70,9 +70,9 @@ class BuiltModel:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(directory: str) -> Any:
-    """The tokenizer of `directory` (Qwen2.5's files), or specdec.tiny's when it is TINY_TOKENIZER."""
+    """The tokenizer of `directory` (Qwen2.5's files), or specdec_cli.tiny's when it is TINY_TOKENIZER."""
     if directory == TINY_TOKENIZER:
-        from specdec.tiny import byte_level_tokenizer
+        from specdec_cli.tiny import byte_level_tokenizer
 
         return byte_level_tokenizer()
     from transformers import AutoTokenizer

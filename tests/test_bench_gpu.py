@@ -1,4 +1,4 @@
-"""bench/gpu.py end to end on a CPU (--device cpu --quick: the tiny shape and specdec.tiny's
+"""bench/gpu.py end to end on a CPU (--device cpu --quick: the tiny shape and specdec_cli.tiny's
 tokenizer): every section of its JSON is there with sane numbers; and how it shares out its
 deadline."""
 
