@@ -20,7 +20,8 @@ SCRIPTS = [*sorted((ROOT / "bench").glob("*.py")), ROOT / "docker" / "healthchec
            ROOT / "protos" / "generate.py", ROOT / "docs" / "generate_configuration.py"]
 # flags of other programs that the pages show in commands, by program
 EXTERNAL = {
-    "pip": {"--quiet", "--no-deps", "--no-binary"},
+    "pip": {"--quiet", "--no-deps", "--no-binary", "--only-binary", "--python-version", "--implementation",
+            "--platform", "--no-index"},
     "llama.cpp's llama-server": {"--spec-type"},
     "pytest": {"--strict-markers"},
     "helm": {"--set", "--set-json", "--reuse-values", "--create-namespace", "--install"},
