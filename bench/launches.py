@@ -10,9 +10,12 @@ operation and a stall per host synchronisation; both are counted here with the t
 while the services' own code runs in this process, without gRPC or the batch scheduler: the
 target's `specdec.runtime.verification.Verifier.verify_batch` and the draft's
 `specdec.runtime.drafting.ModelProposer.propose_batch` over `specdec.runtime.runner.ModelRunner`
-(the torch engine, its K/V buffers), one session, one call at a time, each call one round of a
-session that grows by a token per round. The llama.cpp engine runs no torch operations and is
-not counted.
+(the torch engine, its K/V buffers) — each engine's own per-round work, as its `drafting()` and
+`verification()` hand it to the services — and the same over the graph engine
+(`specdec.runtime.graph.runner.PagedSessionRunner`, eager on a CPU; its verification decides a
+batch's chains on the device), one session, one call at a time, each call one round of a
+session that grows by a token per round (--engines). The llama.cpp engine runs no torch
+operations and is not counted.
 
 Per call:
   aten ops   every ATen operation the dispatcher ran, nested ones included
@@ -203,8 +206,10 @@ def build_model(name: str, seed: int = 0) -> tuple[Any, dict]:
     return model, shape
 
 
-def make_runner(model: Any) -> Any:
-    """The torch engine's runner over `model`, as runner_from_config builds it (no K/V tier)."""
+def make_runner(model: Any, engine: str = "torch") -> Any:
+    """The runner of `engine` (torch: the HF engine over K/V buffers; graph: the static-shape
+    model over the paged pool, eager on a CPU) over `model`, as runner_from_config builds it
+    (no K/V tier)."""
     from specdec_cli import tiny
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import LoadedModel
@@ -212,6 +217,12 @@ def make_runner(model: Any) -> Any:
 
     loaded = LoadedModel(model, tiny.byte_level_tokenizer(), "bench", next(model.parameters()).dtype,
                          torch.device("cpu"))
+    if engine == "graph":
+        from specdec.runtime.graph.runner import PagedSessionRunner
+
+        return PagedSessionRunner(loaded, 64, 1 << 30, 16, 512)
+    if engine != "torch":
+        raise SystemExit(f"bench/launches.py: no engine {engine!r}; choose torch or graph")
     return ModelRunner(loaded, SessionCaches(64, 1 << 34), max_speculative_tokens=16)
 
 
@@ -250,12 +261,9 @@ class Rows:
     """The calls of each row on its own session, for one model at one history length."""
 
     def __init__(self, runner: Any, history: int, seed: int = 0):
-        from specdec.runtime.drafting import ModelProposer
-        from specdec.runtime.verification import Verifier
-
         self.runner = runner
-        self.verifier = Verifier(runner)
-        self.proposer = ModelProposer(runner, proposal_top_k=32)
+        self.verifier = runner.verification()  # the engine's own per-round work, as the services run it
+        self.proposer = runner.drafting(32)
         self.history = history
         self.high = min(runner.vocab_size, runner.embedding_size)
         self.generator = torch.Generator().manual_seed(seed)
@@ -359,38 +367,41 @@ def per_draft_step(one: Counts, four: Counts) -> dict:
 # ---- the run ---------------------------------------------------------------------------------
 
 
-def run(models: list[str], histories: list[int], gammas: list[int], tree_nodes: int, repeats: int) -> dict:
+def run(models: list[str], histories: list[int], gammas: list[int], tree_nodes: int, repeats: int,
+        engines: tuple[str, ...] = ("torch",)) -> dict:
     specs = row_specs(gammas, tree_nodes)
-    out: dict = {"engine": "torch", "models": {}}
+    out: dict = {"engines": {engine: {"models": {}} for engine in engines}}
     for name in models:
         model, shape = build_model(name)
-        runner = make_runner(model)
-        by_history = {}
-        for history in histories:
-            rows = Rows(runner, history)
-            measured = {spec.name: measure_row(rows, spec, repeats) for spec in specs}
-            step = per_draft_step(measured[specs[0].name], measured[specs[1].name])
-            by_history[str(history)] = {"rows": {k: asdict(v) for k, v in measured.items()},
-                                        "per_draft_step": step}
-            for session in list(runner.caches._entries):
-                runner.release(session)
-        out["models"][name] = {"shape": shape, "histories": by_history}
+        for engine in engines:
+            runner = make_runner(model, engine)
+            by_history = {}
+            for history in histories:
+                rows = Rows(runner, history)
+                measured = {spec.name: measure_row(rows, spec, repeats) for spec in specs}
+                step = per_draft_step(measured[specs[0].name], measured[specs[1].name])
+                by_history[str(history)] = {"rows": {k: asdict(v) for k, v in measured.items()},
+                                            "per_draft_step": step}
+                for session in list(runner.caches._entries):
+                    runner.release(session)
+            out["engines"][engine]["models"][name] = {"shape": shape, "histories": by_history}
     return out
 
 
 def table(document: dict) -> str:
-    head = (f"{'model':<10} {'hist':>5}  {'call':<32} {'aten ops':>8} {'launches':>8} {'syncs':>5} "
+    head = (f"{'engine':<6} {'model':<10} {'hist':>5}  {'call':<32} {'aten ops':>8} {'launches':>8} {'syncs':>5} "
             f"{'items':>5} {'reads':>5} {'sized':>5} {'uploads':>7} {'ms':>8}")
     lines = [head, "-" * len(head)]
-    for model, entry in document["models"].items():
-        for history, measured in entry["histories"].items():
-            rows = dict(measured["rows"])
-            rows["per draft step (γ=4 − γ=1)/3"] = measured["per_draft_step"]
-            for name, c in rows.items():
-                fmt = (lambda v: f"{v:.1f}") if isinstance(c["aten_ops"], float) else str
-                lines.append(f"{model:<10} {history:>5}  {name:<32} {fmt(c['aten_ops']):>8} {fmt(c['launches']):>8} "
-                             f"{fmt(c['syncs']):>5} {fmt(c['items']):>5} {fmt(c['reads']):>5} {fmt(c['sized']):>5} "
-                             f"{fmt(c['uploads']):>7} {c['ms']:>8.2f}")
+    for engine, measured_models in document["engines"].items():
+        for model, entry in measured_models["models"].items():
+            for history, measured in entry["histories"].items():
+                rows = dict(measured["rows"])
+                rows["per draft step (γ=4 − γ=1)/3"] = measured["per_draft_step"]
+                for name, c in rows.items():
+                    fmt = (lambda v: f"{v:.1f}") if isinstance(c["aten_ops"], float) else str
+                    lines.append(f"{engine:<6} {model:<10} {history:>5}  {name:<32} {fmt(c['aten_ops']):>8} "
+                                 f"{fmt(c['launches']):>8} {fmt(c['syncs']):>5} {fmt(c['items']):>5} "
+                                 f"{fmt(c['reads']):>5} {fmt(c['sized']):>5} {fmt(c['uploads']):>7} {c['ms']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -404,6 +415,7 @@ def parse_ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,qwen-small", help="comma-separated: tiny, qwen-small")
+    parser.add_argument("--engines", default="torch,graph", help="comma-separated: torch, graph")
     parser.add_argument("--histories", type=parse_ints, default=[64, 512],
                         help="tokens each session holds before its first counted call")
     parser.add_argument("--gammas", type=parse_ints, default=[1, 4, 8], help="drafts per Verify row")
@@ -417,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     document = run([m.strip() for m in args.models.split(",") if m.strip()], args.histories, args.gammas,
-                   args.tree_nodes, max(1, args.repeats))
+                   args.tree_nodes, max(1, args.repeats),
+                   tuple(e.strip() for e in args.engines.split(",") if e.strip()))
     document.update(date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
                     threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
                     repeats=args.repeats)

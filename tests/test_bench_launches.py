@@ -48,8 +48,19 @@ def test_a_run_on_the_tiny_model_writes_sane_counts(tmp_path, capsys):
     assert launches.main(["--models", "tiny", "--histories", "16,80", "--gammas", "1,4", "--tree-nodes", "4",
                           "--repeats", "1", "--out", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "launches.json").read_text())
-    assert document["engine"] == "torch"
-    by_history = document["models"]["tiny"]["histories"]
+    assert set(document["engines"]) == {"torch", "graph"}
+    for engine in ("torch", "graph"):
+        check_counts(document["engines"][engine]["models"]["tiny"]["histories"])
+    torch_rows = document["engines"]["torch"]["models"]["tiny"]["histories"]["80"]["rows"]
+    graph_rows = document["engines"]["graph"]["models"]["tiny"]["histories"]["80"]["rows"]
+    # the graph engine decides a sampled round's acceptance on the device: one read, no per-draft items
+    assert graph_rows["verify γ=4 sampled"]["syncs"] < torch_rows["verify γ=4 sampled"]["syncs"]
+    table = capsys.readouterr().out
+    assert "target step (verify, no drafts)" in table and "per draft step" in table
+    assert (tmp_path / "launches.txt").read_text().startswith("engine")
+
+
+def check_counts(by_history: dict) -> None:
     assert set(by_history) == {"16", "80"}
     for measured in by_history.values():
         rows = measured["rows"]
@@ -61,6 +72,3 @@ def test_a_run_on_the_tiny_model_writes_sane_counts(tmp_path, capsys):
         one, four = rows["draft step (propose γ=1)"], rows["propose γ=4"]
         assert 3.5 * one["launches"] <= four["launches"] <= 4.5 * one["launches"]  # a forward per step
         assert measured["per_draft_step"]["launches"] == pytest.approx((four["launches"] - one["launches"]) / 3)
-    table = capsys.readouterr().out
-    assert "target step (verify, no drafts)" in table and "per draft step" in table
-    assert (tmp_path / "launches.txt").read_text().startswith("model")
