@@ -64,8 +64,9 @@ def chain_batch(rows: Sequence[Forwarded], device: torch.device) -> ChainBatch:
     for params, members in _by_params(rows).items():
         stacked = torch.cat([rows[i][2] for i in members])  # [Σ(γ+1), vocab]
         probs = torch.softmax(stacked.float(), dim=-1) if params.greedy else target_probs(stacked, params)
-        for i, part in zip(members, torch.split(probs, [gammas[i] + 1 for i in members])):
-            p[i, :gammas[i] + 1] = part
+        at_row = torch.tensor([i for i in members for _ in range(gammas[i] + 1)])  # [Σ(γ+1)]
+        at_position = torch.tensor([k for i in members for k in range(gammas[i] + 1)])  # [Σ(γ+1)]
+        p[_upload(at_row, device), _upload(at_position, device)] = probs  # one write, not one per row
     width = max((len(ids) for call, _, _ in rows if call.draft_q is not None for ids in call.draft_q.ids), default=1)
     drafts = torch.zeros((len(rows), gamma_max), dtype=torch.long)  # [R, γ_max]
     q_ids = torch.zeros((len(rows), gamma_max, width), dtype=torch.long)  # [R, γ_max, K]
