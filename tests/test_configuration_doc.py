@@ -26,7 +26,8 @@ EXTERNAL = {
     "pytest": {"--strict-markers"},
     "helm": {"--set", "--set-json", "--reuse-values", "--create-namespace", "--install"},
     "kubectl": {"--from-literal"},
-    "docker / docker compose": {"--build", "--rm", "--chmod"},
+    "docker / docker compose / podman": {"--build", "--rm", "--chmod", "--build-arg", "--format",
+                                         "--runtime", "--mount", "--ulimit"},
     "py-spy": {"--gil", "--native"},
 }
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
