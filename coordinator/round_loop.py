@@ -28,6 +28,7 @@ from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParam
 from coordinator.session_calls import SessionCalls
 from coordinator.sessions.lease_keeper import LeaseKeeper
 from coordinator.policy.load_governor import LoadGovernor
+from coordinator.recording import Recorder
 from coordinator.sources.base import ProposalSource
 from coordinator.sources.draft_model import DraftModel
 from coordinator.sources.none import NoProposals
@@ -51,8 +52,10 @@ class RoundLoop:
     overlap_store = True
 
     def __init__(self, config: CoordinatorConfig, store: SessionStore, routes: Routes, tokenizer: Any,
-                 draft_info: ModelDescription, target_info: ModelDescription, metrics: Metrics | None = None):
+                 draft_info: ModelDescription, target_info: ModelDescription, metrics: Metrics | None = None,
+                 recorder: Recorder | None = None):
         self.config = config
+        self.recorder = recorder  # --record-dir / --record-stream (None: off)
         self.store = store
         self.routes = routes  # each session's draft and target replica
         self.tokenizer = tokenizer
@@ -178,6 +181,7 @@ class RoundLoop:
             while finish is None:
                 if self.context_length - len(record.token_ids) <= 0:
                     finish = FinishReason.CONTEXT
+                    result: RoundResult | None = None
                     round_tokens: list[int] = []
                     round_logprobs: list[TokenLogprobs] = []
                 else:
@@ -216,6 +220,8 @@ class RoundLoop:
                     await self._save_snapshot(record, committed, lease)  # an error cancels `ahead` (finally)
                     self._observe_metrics(result, store_started)
                 delta, finish = text.delta(finish)
+                if self.recorder is not None:
+                    self.recorder.observe(run, result, len(round_tokens), finish)
                 chunk = Chunk(record.session_id, delta, round_tokens, logprobs=round_logprobs)
                 if finish is not None:
                     run.stats.coordinator_seconds = max(

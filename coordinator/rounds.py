@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from specdec.fingerprint import PrefixHashes
 from specdec.maths.tree import TokenTree
@@ -45,6 +46,7 @@ class RequestRun:
     predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
     cache_salt: str = ""  # the request's: mixed into the services' K/V chunk keys
     top_logprobs: int | None = None  # the request's: None, or the alternatives per token the target returns
+    recording: Any = None  # coordinator/recording.py's buffer of this request (None: not begun; False: not recorded)
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)

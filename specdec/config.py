@@ -225,6 +225,14 @@ class CoordinatorConfig(ServerTlsConfig):
                                  "comma-separated in the environment", many=True)
     http_max_body_bytes: int = opt(1 << 20, "largest HTTP request body the OpenAI-compatible API accepts "
                                    "(larger ones get 413)")
+    record_dir: str = opt("", "append training records to JSON-lines files in this directory: per "
+                          "finished request its tokens and which proposals the target rejected (see "
+                          "docs/operations.md#recording); never a request with a cache_salt; empty = off")
+    record_max_bytes: int = opt(1 << 30, "most bytes of records --record-dir holds, its files together; "
+                                "past it new records are dropped until files are moved away")
+    record_stream: str = opt("", "add the training records to this Redis stream, in the Redis of "
+                             "--session-store (which must be redis://); empty = off")
+    record_max_len: int = opt(100000, "most records --record-stream keeps (older ones are trimmed)")
 
 
 def names_of(value: str) -> tuple[str, ...]:
