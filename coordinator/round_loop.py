@@ -35,7 +35,7 @@ from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
 from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult
-from coordinator.sessions.routing import Routes
+from coordinator.sessions.routing import Routes, model_fingerprint
 from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
 from coordinator.sessions.store import Lease, SessionRecord, SessionStore
@@ -77,7 +77,8 @@ class RoundLoop:
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
                                        config.draft_cost_ratio, draft_hints=config.draft_hints,
-                                       min_confidence=config.draft_min_confidence, trees=Trees(config.trees))
+                                       min_confidence=config.draft_min_confidence, trees=Trees(config.trees),
+                                       draft_model=model_fingerprint(draft_info))
         self.calls = SessionCalls(routes, config)
         self.draft_model = DraftModel(self.calls, routes, config, draft_info, self.max_gamma,
                                       self.context_length, load=lambda: self.active,
@@ -171,7 +172,8 @@ class RoundLoop:
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here
         await self.store.save(record, lease)
         spec = self.speculation.start(record.session_id, mode.proposer, mode.fixed_gamma, request.tree_nodes,
-                                      self.draft_info.verifies_trees and self.target_info.verifies_trees)
+                                      self.draft_info.verifies_trees and self.target_info.verifies_trees,
+                                      self.routes.drafts.model_of(record.draft.address))
         rng = RequestRng(request.seed)
         text = StreamedText(self.tokenizer, record.token_ids, request.stop)
         generated: list[int] = []
@@ -285,6 +287,9 @@ class RoundLoop:
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches
+        draft_model = self.routes.drafts.model_of(record.draft.address)
+        if draft_model is not None and draft_model != spec.draft_model:  # its replica serves another model now
+            self.speculation.use_draft_model(spec, draft_model)
         allowed = self.governor is None or self.governor.speculate(self.adaptive)
         lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
                   if spec.looks_up(cap, allowed) else NO_LOOKUP)

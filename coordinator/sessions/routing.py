@@ -39,8 +39,19 @@ PROBING, READY, FAILED, REFUSED = "probing", "ready", "failed", "refused"
 PROBE_INTERVAL_S = 0.25  # how often replicas that are not ready are health-checked
 PROBE_TIMEOUT_S = 2.0
 REFUSED_RECHECK_S = 10.0  # a refused replica is checked again this often (it may be redeployed)
+INFO_REFRESH_S = 10.0  # a ready replica's model info is read again this often (restarted behind the
+#                        same address, it may serve another model)
 
 Check = Callable[[ModelDescription], None]  # raises (naming the difference) when incompatible
+
+
+def model_fingerprint(info: ModelDescription) -> str:
+    """The model a replica serves, as its model info names it (id, dtype, device, output size):
+    what the coordinator's estimates of a model are kept by. A new checkpoint rolled out under a
+    new path (or hub id) is another model; one written over the old path is not (give each
+    checkpoint its own path, docs/models.md#rolling-out-a-distilled-draft)."""
+    identity = "\x00".join((info.model_id, info.dtype, info.device, str(info.vocab_size)))
+    return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
 
 
 def weight(key: str, address: str) -> int:
@@ -66,6 +77,7 @@ class Replica:
     answered_at: float = 0.0  # when its model info first came back
     error: Exception | None = None  # why it was refused
     next_probe: float = 0.0  # monotonic time of its next health check
+    next_refresh: float = 0.0  # monotonic time its model info is read again while it is ready
     probing: bool = False
     last_error: str = ""  # why its last health check failed (start-up errors quote it)
 
@@ -122,6 +134,11 @@ class ReplicaPool:
         """key's replica among the usable ones (None when there is none)."""
         ready = self.ready()
         return self._replicas[rank(key, ready)[0]].client if ready else None
+
+    def model_of(self, address: str) -> str | None:
+        """The fingerprint of the model the replica at `address` serves (None: not known)."""
+        replica = self._replicas.get(address)
+        return model_fingerprint(replica.info) if replica is not None and replica.info is not None else None
 
     def ready_client(self, address: str) -> ServiceClient | None:
         replica = self._replicas.get(address)
@@ -203,6 +220,7 @@ class ReplicaPool:
         log.info("%s replica %s %s (%s)", self.kind, replica.address,
                  "answers again" if replica.state == FAILED else "joined", replica.info.model_id)
         replica.state, replica.error = READY, None
+        replica.next_refresh = time.monotonic() + INFO_REFRESH_S
 
     # ---- health checks ------------------------------------------------------------------------
 
@@ -214,9 +232,14 @@ class ReplicaPool:
             self._wake.clear()
             now = time.monotonic()
             for replica in list(self._replicas.values()):
-                if replica.state != READY and not replica.probing and replica.next_probe <= now:
+                if replica.probing:
+                    continue
+                if replica.state != READY and replica.next_probe <= now:
                     replica.probing = True
                     self._spawn(self._probe(replica))
+                elif replica.state == READY and replica.next_refresh <= now:
+                    replica.probing = True
+                    self._spawn(self._refresh(replica))
             try:
                 await asyncio.wait_for(self._wake.wait(), self.probe_interval_s)
             except asyncio.TimeoutError:
@@ -242,6 +265,29 @@ class ReplicaPool:
         replica.last_error = ""
         replica.info = info
         replica.answered_at = replica.answered_at or time.monotonic()
+        self._evaluate(replica)
+
+    async def _refresh(self, replica: Replica) -> None:
+        """Read a ready replica's model info again (cheaply: no tokenizer fingerprint asked for);
+        one that serves another model now is checked as a joining replica is."""
+        size = self.fingerprint_vocab_size
+        try:
+            info = await replica.client.info(self.probe_timeout_s, wait_for_ready=False)
+            changed = model_fingerprint(info) != model_fingerprint(replica.info)
+            if changed:
+                info = await replica.client.info(self.probe_timeout_s, fingerprint_vocab_size=size)
+        except (grpc.aio.AioRpcError, SpecdecError) as exc:
+            log.debug("%s replica %s: its model info did not come (%s)", self.kind, replica.address, exc)
+            return  # its calls tell whether it is down
+        finally:
+            replica.probing = False
+            replica.next_refresh = time.monotonic() + INFO_REFRESH_S
+        if (not changed or self._replicas.get(replica.address) is not replica or replica.state != READY
+                or size != self.fingerprint_vocab_size):
+            return
+        log.info("%s replica %s serves %s now (was %s)", self.kind, replica.address, info.model_id,
+                 replica.info.model_id)
+        replica.info = info
         self._evaluate(replica)
 
     def _spawn(self, coro: Awaitable) -> None:
