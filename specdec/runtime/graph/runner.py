@@ -2,7 +2,8 @@
 
 What this module decides:
 - A session's K/V is its block table in one PagedKV pool, allocated at start from the memory
-  budget (--kv-cache-bytes, at most what --max-sessions sessions of the full context take).
+  budget (--kv-cache-bytes, or --kv-cache-memory-fraction of the GPU's free memory once the
+  model is loaded; at most what --max-sessions sessions of the full context take).
   Its SessionCache holds a `PagedBlocks`, whose pool id is its own (not the session id: a
   session re-created while its old cache is still referenced gets a new id).
 - Rollback (`crop`) is a length edit; keeping a tree's accepted path moves those nodes' rows
@@ -35,7 +36,7 @@ from specdec.runtime.graph.batch import RowInput
 from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
 from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs
 from specdec.runtime.graph.model import GraphModel
-from specdec.runtime.graph.paged_kv import PagedKV, blocks_for
+from specdec.runtime.graph.paged_kv import PagedKV, blocks_for, budget_bytes
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
 from specdec.runtime.batched_proposal import RowWarps
@@ -85,10 +86,11 @@ def pool_budget(kv_cache_bytes: int, max_sessions: int, context: int, bytes_per_
 class PagedSessionRunner(SessionEngine):
     """One Llama / Qwen2 / Mistral model on the graph engine, many sessions in one paged pool."""
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int, max_speculative_tokens: int,
+    def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int | float, max_speculative_tokens: int,
                  prefill_chunk: int = 512, block_size: int = 16, buckets: Buckets | None = None,
                  capture: bool | None = None):
-        """capture: capture CUDA graphs at start (default: on a CUDA device)."""
+        """kv_cache_bytes: the pool's budget in bytes, or a float in (0, 1]: that fraction of the
+        device's free memory (CUDA only); capture: CUDA graphs at start (default: on CUDA)."""
         hf = loaded.model
         self.hf_config = hf.config  # what the K/V tier keys chunks with
         context = max_context_length(hf, loaded.tokenizer)
@@ -98,7 +100,8 @@ class PagedSessionRunner(SessionEngine):
         self.tokenizer = loaded.tokenizer
         self.kv_spec = self.model.pool_spec(block_size)
         context = min(context, self.model.arch.max_context)
-        budget = pool_budget(kv_cache_bytes, max_sessions, context, self.kv_spec.bytes_per_token)
+        budget = pool_budget(budget_bytes(kv_cache_bytes, self.device), max_sessions, context,
+                             self.kv_spec.bytes_per_token)
         self.kv = PagedKV(self.kv_spec, blocks_for(self.kv_spec, budget))
         self.graph = GraphRunner(self.model, self.kv, buckets, capture)
         self.max_speculative_tokens = max_speculative_tokens
@@ -287,6 +290,7 @@ class PagedSessionRunner(SessionEngine):
 def graph_runner_from_config(config: Any, loaded: LoadedModel) -> PagedSessionRunner:
     """The runner of a ModelServiceConfig on the graph engine (its graphs are captured by warm_up)."""
     rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
-    runner = PagedSessionRunner(loaded, config.max_sessions, config.kv_cache_bytes, config.max_speculative_tokens,
+    memory = config.kv_cache_memory_fraction or config.kv_cache_bytes  # a fraction of free memory, or bytes
+    runner = PagedSessionRunner(loaded, config.max_sessions, memory, config.max_speculative_tokens,
                                 config.prefill_chunk, buckets=Buckets(rows=rows))
     return runner
