@@ -275,7 +275,8 @@ class RoundLoop:
         started = time.perf_counter()
         record, stats = run.record, run.stats
         seeds = rng.round_seeds()
-        draft_up = self.routes.usable(Tier.DRAFT)
+        # a usable replica, and this request is not backing off the draft after a timeout
+        draft_up = self.routes.usable(Tier.DRAFT) and run.draft_backoff.ready(stats.rounds)
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches

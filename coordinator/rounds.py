@@ -35,6 +35,31 @@ class Predrafted:
 
 
 @dataclass
+class DraftBackoff:
+    """The rounds a request skips the draft model after its calls timed out: the replica is alive
+    but slow (a busy machine, a long prefill), so the request tries it again a few rounds later —
+    1 round after a timeout, then twice as many after each further timeout in a row — instead of
+    giving it up for the rest of the request. A call that answers ends the streak."""
+
+    streak: int = 0      # draft calls in a row that timed out
+    resume_at: int = 0   # the first round (numbered from 0 in the request) that may call the draft
+
+    def ready(self, round_index: int) -> bool:
+        """Whether round `round_index` may call the draft."""
+        return round_index >= self.resume_at
+
+    def timed_out(self, round_index: int) -> int:
+        """A draft call of round `round_index` timed out: the rounds skipped now."""
+        self.streak += 1
+        skipped = 2 ** (self.streak - 1)
+        self.resume_at = round_index + 1 + skipped
+        return skipped
+
+    def answered(self) -> None:
+        self.streak = 0
+
+
+@dataclass
 class RequestRun:
     """State of one request while it runs."""
 
@@ -45,6 +70,7 @@ class RequestRun:
     predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
     cache_salt: str = ""  # the request's: mixed into the services' K/V chunk keys
     top_logprobs: int | None = None  # the request's: None, or the alternatives per token the target returns
+    draft_backoff: DraftBackoff = field(default_factory=DraftBackoff)  # rounds without the draft after timeouts
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)
