@@ -26,6 +26,33 @@ class FinishReason(StrEnum):
     CONTEXT = "context_length"   # the model context is full
 
 
+@dataclass
+class TokenTimes:
+    """When a generation arrived and streamed its tokens: its time to first token and time per
+    output token (as vLLM's benchmark_serving defines them), for the metrics."""
+
+    arrived: float              # time.perf_counter() when the request arrived
+    first: float | None = None  # ... when its first token left
+    last: float | None = None   # ... when its latest token left
+    tokens: int = 0             # tokens streamed so far
+
+    def streamed(self, tokens: int, now: float) -> float | None:
+        """`tokens` more tokens left at `now`: the time to first token when they are the first."""
+        if not tokens:
+            return None
+        first = self.first is None
+        if first:
+            self.first = now
+        self.last, self.tokens = now, self.tokens + tokens
+        return now - self.arrived if first else None
+
+    def per_output_token(self) -> float | None:
+        """(last token's time - first token's) / (tokens - 1); None with fewer than 2 tokens."""
+        if self.tokens < 2 or self.first is None or self.last is None:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
 @dataclass(frozen=True)
 class Predrafted:
     """Drafts a call made ahead proposed for the round that starts with `base` committed tokens."""
