@@ -71,6 +71,10 @@ class ModelServiceConfig(ServerTlsConfig):
     kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond); the graph "
                               "backend allocates its pool of this size at start (at most what "
                               "--max-sessions sessions of the full context take)")
+    kv_cache_memory_fraction: float = opt(0.0, "graph backend on CUDA: the K/V pool takes this fraction "
+                                          "(0 < f <= 1) of the GPU's free memory once the model is loaded, "
+                                          "instead of --kv-cache-bytes (0 = off); leave room for the CUDA "
+                                          "graphs and activations, and for another service on the same GPU")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
     kv_store: str = opt("", "shared store of K/V chunks: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for "
                         "TLS), memory:// (this process only), or empty (off). A session this replica "
