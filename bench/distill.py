@@ -98,21 +98,27 @@ def tiny_setup(folder: Path, seed: int) -> dict:
             "max_new_tokens": 24, "eval_new_tokens": 24, "target_dtype": "float32", "dtype": "float32"}
 
 
-def estimate(report: dict, full_steps: int, full_prompts: int, new_tokens: int) -> dict:
-    """A full run's time on this machine from this run's rates: the target's answers per token,
-    its top-k pass per window, the seconds per training step, the two α measurements as they
-    were, for `full_steps` steps on `full_prompts` training prompts answered with `new_tokens`."""
-    seconds, config, data = report["seconds"], report["config"], report["data"]
-    per_step = seconds.get("train", 0.0) / max(report["steps"], 1)
+def estimate(report: dict, full_prompts: int, new_tokens: int, epochs: float = 1.0, prompt_tokens: int = 100) -> dict:
+    """A full run's hours on this machine from this run's rates per token: `full_prompts`
+    training prompts of about `prompt_tokens` tokens answered with `new_tokens` each by the
+    target, its top-k pass over them, and `epochs` passes of training over them (the same batch
+    shape), plus the two α measurements as they were."""
+    seconds, data, config = report["seconds"], report["data"], report["config"]
+    window = data.get("positions", 0) / max(data.get("windows", 1), 1)  # mean tokens per window
+    trained = report["steps"] * config["batch_size"] * window  # tokens the steps trained on
+    per_train_token = seconds.get("train", 0.0) / max(trained, 1)
     per_answer_token = data.get("answer_seconds", 0.0) / max(data.get("answer_tokens", 1), 1)
-    per_window = seconds.get("teacher", 0.0) / max(data.get("windows", 1), 1)
-    windows = full_prompts * max(1, -(-(new_tokens + 100) // config["seq_len"]))  # a prompt ~100 tokens
-    parts = {"answers": per_answer_token * full_prompts * new_tokens, "teacher": per_window * windows,
-             "train": per_step * full_steps,
+    per_teacher_token = seconds.get("teacher", 0.0) / max(data.get("positions", 1), 1)
+    tokens = full_prompts * (prompt_tokens + new_tokens)
+    parts = {"answers": per_answer_token * full_prompts * new_tokens, "teacher": per_teacher_token * tokens,
+             "train": per_train_token * tokens * epochs,
              "alpha": data.get("held_out_seconds", 0.0) + seconds.get("alpha_before", 0.0) + seconds.get("alpha_after", 0.0)}
-    return {"seconds_per_step": round(per_step, 2), "seconds_per_answer_token": round(per_answer_token, 3),
-            "seconds_per_window": round(per_window, 2), "full_steps": full_steps, "full_prompts": full_prompts,
-            "full_new_tokens": new_tokens, "full_run_hours": {k: round(v / 3600, 2) for k, v in parts.items()},
+    return {"seconds_per_step": round(seconds.get("train", 0.0) / max(report["steps"], 1), 2),
+            "seconds_per_trained_token": round(per_train_token, 4),
+            "seconds_per_answer_token": round(per_answer_token, 4),
+            "seconds_per_teacher_token": round(per_teacher_token, 4),
+            "full_prompts": full_prompts, "full_new_tokens": new_tokens, "full_epochs": epochs,
+            "full_run_hours": {k: round(v / 3600, 2) for k, v in parts.items()},
             "full_run_hours_total": round(sum(parts.values()) / 3600, 1)}
 
 
@@ -197,8 +203,10 @@ def main() -> int:
     parser.add_argument("--train-prompts", type=int, default=len(TRAIN_PROMPTS))
     parser.add_argument("--train-new-tokens", type=int, default=128)
     parser.add_argument("--eval-new-tokens", type=int, default=64)
-    parser.add_argument("--full-steps", type=int, default=2000, help="the full run the time estimate is for")
-    parser.add_argument("--full-prompts", type=int, default=2000, help="... with this many training prompts")
+    parser.add_argument("--full-prompts", type=int, default=2000,
+                        help="the full run the time estimate is for: this many training prompts ...")
+    parser.add_argument("--full-new-tokens", type=int, default=256, help="... answered with this many tokens ...")
+    parser.add_argument("--full-epochs", type=float, default=1.0, help="... trained on this many times")
     parser.add_argument("--distilled", default="", help="with --no-train: a draft distilled before (for --speedup)")
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--speedup", action="store_true", help="serve the original and the distilled draft in turn")
@@ -232,7 +240,7 @@ def main() -> int:
     for loss in ([] if args.no_train else ("kl", "tv") if args.loss == "both" else (args.loss,)):
         out = Path(args.out) / f"distilled-{loss}"
         report = distill(replace(base, loss=loss, out=str(out))).to_json()
-        report["estimate"] = estimate(report, args.full_steps, args.full_prompts, args.train_new_tokens)
+        report["estimate"] = estimate(report, args.full_prompts, args.full_new_tokens, args.full_epochs)
         runs[loss] = report
         print(f"{loss}: α greedy {report['before']['alpha']['greedy']:.4f} -> {report['after']['alpha']['greedy']:.4f}, "
               f"sampled {report['before']['alpha']['sampled_t1']:.4f} -> {report['after']['alpha']['sampled_t1']:.4f} "

@@ -144,9 +144,11 @@ def test_the_benchmark_scales_a_short_runs_rates_to_a_full_run():
     from bench.distill import estimate
 
     report = {"steps": 10, "seconds": {"train": 50.0, "teacher": 8.0, "alpha_before": 30.0, "alpha_after": 30.0},
-              "config": {"seq_len": 128}, "data": {"windows": 4, "answer_seconds": 20.0, "answer_tokens": 100,
-                                                   "held_out_seconds": 60.0}}
-    found = estimate(report, full_steps=1000, full_prompts=50, new_tokens=100)
-    assert found["seconds_per_step"] == 5.0 and found["seconds_per_answer_token"] == 0.2
-    hours = found["full_run_hours"]  # 1000 steps x 5 s; 50 x 100 tokens x 0.2 s; 50 x 2 windows x 2 s
-    assert (hours["train"], hours["answers"], hours["teacher"], hours["alpha"]) == (1.39, 0.28, 0.06, 0.03)
+              "config": {"batch_size": 2}, "data": {"windows": 4, "positions": 400, "answer_seconds": 20.0,
+                                                    "answer_tokens": 100, "held_out_seconds": 60.0}}
+    found = estimate(report, full_prompts=50, new_tokens=100, epochs=2.0, prompt_tokens=100)
+    # 10 steps x 2 windows x 100 tokens in 50 s; 100 answer tokens in 20 s; 400 teacher tokens in 8 s
+    assert (found["seconds_per_trained_token"], found["seconds_per_answer_token"],
+            found["seconds_per_teacher_token"]) == (0.025, 0.2, 0.02)
+    hours = found["full_run_hours"]  # 10,000 tokens: trained twice, the target's pass once; 5,000 answered
+    assert (hours["train"], hours["answers"], hours["teacher"], hours["alpha"]) == (0.14, 0.28, 0.06, 0.03)
