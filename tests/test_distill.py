@@ -22,6 +22,16 @@ from specdec_cli.main import main
 from tests.cluster import Cluster
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models train faster on one thread than on two (no thread team to sync per op), and a
+    busy machine cannot starve a team of one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A 12-token target of one layer and an unrelated draft of the same shape (another seed),
