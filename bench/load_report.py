@@ -108,6 +108,8 @@ def summarise_rate(rate: float, results: Sequence[RequestResult], wall_s: float)
         "latency_ms": spread_ms([r.latency_s for r in done if r.latency_s is not None]),
         "max_in_flight": max_in_flight([(r.arrival_s, r.arrival_s + r.latency_s) for r in done
                                         if r.latency_s is not None]),
+        # Little's law: the completed requests' time in the system over the wall time
+        "mean_in_flight": sum(r.latency_s for r in done if r.latency_s is not None) / wall_s if wall_s > 0 else 0.0,
     }
 
 
@@ -167,11 +169,10 @@ def table(rows: Sequence[dict[str, Any]], saturation: float | None) -> str:
             f"{row['completed_per_s']:>6.2f} {row['output_tokens_per_s']:>6.1f} "
             f"{_ms(row['ttft_ms']['p50']):>8} {_ms(row['ttft_ms']['p99']):>7} "
             f"{_ms(row['tpot_ms']['p50']):>8} {_ms(row['tpot_ms']['p99']):>6} {row['max_in_flight']:>5}{mark}")
-    lines.append("columns: rate = offered Poisson arrivals per second; 429 RA = refusals with Retry-After; "
-                 "err = other errors; t/o = client timeouts; lost = streams cut short; req/s, tok/s = "
-                 "completed requests and output tokens per second of the rate's wall time; TTFT, TPOT = time "
-                 "to first token and per output token after it (ms) of completed requests; inflt = most "
-                 "completed requests in flight at once")
+    lines += ["columns: rate = offered Poisson arrivals per second; 429 RA = refusals with Retry-After;",
+              "  err = other errors; t/o = client timeouts; lost = streams cut short; req/s, tok/s = completed",
+              "  requests and output tokens per second of the rate's wall time; TTFT, TPOT = time to first token",
+              "  and per output token after it (ms), of completed requests; inflt = most of them in flight at once"]
     lines.append(f"saturation (p99 TPOT ≥ {SATURATION_FACTOR:g}× the lowest rate's): "
                  + (f"{saturation:g} requests/s" if saturation is not None else "not reached at the rates run"))
     for row in rows:
@@ -188,8 +189,10 @@ def plot(rows: Sequence[dict[str, Any]], saturation: float | None, path: Path, t
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
     except ImportError:
         return False
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
     rates = [row["rate"] for row in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for ax, key, name in ((axes[0], "ttft_ms", "time to first token (ms)"),
@@ -199,6 +202,9 @@ def plot(rows: Sequence[dict[str, Any]], saturation: float | None, path: Path, t
                     style, label=q)
         ax.set_ylabel(name)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_locator(NullLocator())
     axes[2].plot(rates, [row["completed_per_s"] for row in rows], "o-", label="completed req/s")
     axes[2].plot(rates, rates, ":", color="grey", label="offered")
     axes[2].set_ylabel("requests per second")
@@ -209,6 +215,9 @@ def plot(rows: Sequence[dict[str, Any]], saturation: float | None, path: Path, t
     share.set_ylim(0, 100)
     for ax in axes:
         ax.set_xscale("log")
+        ax.set_xticks(rates)
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("offered rate (requests/s, Poisson)")
         if saturation is not None:
             ax.axvline(saturation, color="grey", linestyle="--", linewidth=1)

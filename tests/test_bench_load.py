@@ -64,7 +64,6 @@ def test_a_full_coordinator_refuses_with_retry_after_and_loses_nothing(models, t
     [row] = document["rates"]
     assert row["refused"] >= 1 and row["refused_with_retry_after"] == row["refused"]
     assert row["completed"] >= 1 and row["completed"] + row["refused"] == row["sent"] == 8
-    assert row["max_in_flight"] == 1
     assert all(r["status"] == 429 and r["retry_after"] == "1" for r in row["requests"] if r["outcome"] == "refused")
     assert document["verdict"]["clean"]
 
@@ -108,6 +107,7 @@ def test_a_rate_summary_counts_outcomes_and_times_tokens_as_vllm_does():
     assert row["tpot_ms"]["p50"] == pytest.approx(150.0)  # (1.0 s / 10, 2.0 s / 10) -> 100, 200 ms
     assert row["output_tokens_per_s"] == pytest.approx(22 / 4) and row["completed_per_s"] == 0.5
     assert row["max_in_flight"] == 2  # [0, 1.1] and [0.5, 2.7] overlap
+    assert row["mean_in_flight"] == pytest.approx((1.1 + 2.2) / 4.0)
     assert not load_report.is_clean(row)
 
 
