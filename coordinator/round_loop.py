@@ -33,7 +33,7 @@ from coordinator.sources.draft_model import DraftModel
 from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
-from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult
+from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult, TokenTimes
 from coordinator.sessions.routing import Routes
 from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
@@ -133,6 +133,7 @@ class RoundLoop:
                 f"{self.active} generations are running, the limit of this coordinator "
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
         governed = is_governed(mode.proposer, mode.fixed_gamma)  # what the governor may switch
+        times = TokenTimes(time.perf_counter())
         self.active += 1
         self.adaptive += governed
         try:
@@ -146,6 +147,7 @@ class RoundLoop:
                     # aclosing: however this ends, the round _run started ahead is gone before
                     # the caches are released below
                     async for chunk in chunks:
+                        self._observe_latency(times, chunk)
                         yield chunk
                         if chunk.finish_reason is None:
                             keeper.check()
@@ -256,6 +258,14 @@ class RoundLoop:
                      tree=result.tree, accepted_nodes=result.verdict.accepted_nodes,
                      lookup_nodes=result.lookup_nodes)
 
+    def _observe_latency(self, times: TokenTimes, chunk: Chunk) -> None:
+        """A chunk leaves: the request's time to first token, and at its end its time per output token."""
+        first = times.streamed(len(chunk.token_ids), time.perf_counter())
+        if first is not None:
+            self.metrics.observe_first_token(first)
+        if chunk.finish_reason is not None and (per_token := times.per_output_token()) is not None:
+            self.metrics.observe_time_per_output_token(per_token)
+
     def _observe_metrics(self, result: RoundResult, store_started: float) -> None:
         """Record a committed and stored round in the metrics."""
         now = time.perf_counter()
@@ -275,7 +285,8 @@ class RoundLoop:
         started = time.perf_counter()
         record, stats = run.record, run.stats
         seeds = rng.round_seeds()
-        draft_up = self.routes.usable(Tier.DRAFT)
+        # a usable replica, and this request is not backing off the draft after a timeout
+        draft_up = self.routes.usable(Tier.DRAFT) and run.draft_backoff.ready(stats.rounds)
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches

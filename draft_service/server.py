@@ -28,9 +28,9 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
     """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     engine = runner_from_config(config)
+    drafting = engine.drafting(config.proposal_top_k)  # first: warm_up captures its loop's graphs
     engine.warm_up()  # before serving: the first call finds the engine ready
     worker = ModelWorker(config.max_queue, name="draft-model")
-    drafting = engine.drafting(config.proposal_top_k)
     scheduler = batch_scheduler(config, worker, drafting.propose_batch, lambda call: len(call.new_tokens) + len(call.hints))
     # a draft's ModelInfo.verifies_trees says whether it grows trees
     description = dataclasses.replace(engine.description, verifies_trees=engine.grows_trees)

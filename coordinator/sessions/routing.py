@@ -6,7 +6,9 @@ check (the same vocabulary as the target; an incompatible replica is refused and
 A session is pinned to one replica per tier by rendezvous (highest-random-weight) hashing of
 its id over the usable replicas: a replica that leaves or fails moves only its own sessions,
 one that joins takes only the sessions that now hash to it. A failed replica is skipped until
-a background health check says it answers again (and, for drafts, at least --draft-retry-s).
+a background health check says it answers again (and, for drafts, at least --draft-retry-s). A
+replica whose call timed out is health-checked at once and counts as failed only when it does
+not answer (a slow model is not a dead one).
 
 `Routes` holds both pools, feeds them from a discovery, and keeps a session record's
 placement per tier (the replica's address, the tokens it holds) honest: a session that lands on another replica than the one
@@ -138,6 +140,28 @@ class ReplicaPool:
                     "health checks again", self.kind, address)
         self._changed.set()
         self._wake.set()
+
+    def suspect(self, address: str) -> None:
+        """A call to address timed out: its model may only be slow (it stays in use) or its
+        process hung. A health check now tells them apart (the services answer it while their
+        model works): a replica that does not answer it is marked failed."""
+        replica = self._replicas.get(address)
+        if replica is None or replica.state != READY or replica.probing:
+            return
+        replica.probing = True
+        self._spawn(self._check_alive(replica))
+
+    async def _check_alive(self, replica: Replica) -> None:
+        try:
+            health = health_pb2_grpc.HealthStub(replica.client.channel)
+            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
+            alive = response.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            alive = False
+        finally:
+            replica.probing = False
+        if not alive and self._replicas.get(replica.address) is replica:
+            self.mark_failed(replica.address)
 
     def describe(self) -> str:
         parts = [f"{address} {r.state}" + (f" ({r.error})" if r.error else "")
@@ -309,6 +333,10 @@ class Routes:
 
     def failed(self, tier: Tier, address: str) -> None:
         self.pools[tier].mark_failed(address)
+
+    def suspect(self, tier: Tier, address: str) -> None:
+        """A call to address timed out: checked at once, marked failed only if it is not alive."""
+        self.pools[tier].suspect(address)
 
     async def release(self, record: SessionRecord) -> None:
         """Free the session's KV caches on the replicas that hold them (best effort)."""
