@@ -194,15 +194,18 @@ def api_key_of(args: argparse.Namespace) -> str:
 
 
 def stop_all(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM every child still running, last started first; SIGKILL any that lingers 10 s."""
-    for proc in reversed(procs):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in reversed(procs):
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """SIGTERM every child still running, SIGKILL any that lingers 10 s: the last started (the
+    coordinator) first and alone, so its calls and streams to the model services end before
+    they stop (no call is cut by a server going away), then the rest together."""
+    for group in (procs[-1:], procs[:-1]):
+        for proc in group:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in group:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def run(args: argparse.Namespace) -> int:
