@@ -8,7 +8,8 @@ them, commits and streams. Its wings (tests/test_layers.py holds each to what it
 * the round loop at the top — `round_loop.py` (`RoundLoop`: plan, propose, verify, commit,
   store, stream), `rounds.py` (what a request and its rounds carry), `request.py`,
   `session_calls.py` (the calls to a session's replicas, and the one owner of what each holds),
-  `stats.py`, `streamed_text.py`, `detokenizer.py`, `chat.py`, `tasks.py`, and `server.py`,
+  `stats.py`, `streamed_text.py`, `detokenizer.py`, `chat.py`, `tasks.py`, `recording.py`
+  (training records of finished requests), and `server.py`,
   which composes everything;
 * `coordinator.sources` — the proposal sources behind one interface (draft model, prompt
   lookup, none);

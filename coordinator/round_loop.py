@@ -28,13 +28,14 @@ from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParam
 from coordinator.session_calls import SessionCalls
 from coordinator.sessions.lease_keeper import LeaseKeeper
 from coordinator.policy.load_governor import LoadGovernor
+from coordinator.recording import Recorder
 from coordinator.sources.base import ProposalSource
 from coordinator.sources.draft_model import DraftModel
 from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
-from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult
-from coordinator.sessions.routing import Routes
+from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult, TokenTimes
+from coordinator.sessions.routing import Routes, model_fingerprint
 from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
 from coordinator.sessions.store import Lease, SessionRecord, SessionStore
@@ -51,8 +52,10 @@ class RoundLoop:
     overlap_store = True
 
     def __init__(self, config: CoordinatorConfig, store: SessionStore, routes: Routes, tokenizer: Any,
-                 draft_info: ModelDescription, target_info: ModelDescription, metrics: Metrics | None = None):
+                 draft_info: ModelDescription, target_info: ModelDescription, metrics: Metrics | None = None,
+                 recorder: Recorder | None = None):
         self.config = config
+        self.recorder = recorder  # --record-dir / --record-stream (None: off)
         self.store = store
         self.routes = routes  # each session's draft and target replica
         self.tokenizer = tokenizer
@@ -74,7 +77,8 @@ class RoundLoop:
         self.metrics.watch(active_sessions=lambda: self.active)
         self.speculation = Speculation(self.max_gamma, config.default_num_speculative_tokens,
                                        config.draft_cost_ratio, draft_hints=config.draft_hints,
-                                       min_confidence=config.draft_min_confidence, trees=Trees(config.trees))
+                                       min_confidence=config.draft_min_confidence, trees=Trees(config.trees),
+                                       draft_model=model_fingerprint(draft_info))
         self.calls = SessionCalls(routes, config)
         self.draft_model = DraftModel(self.calls, routes, config, draft_info, self.max_gamma,
                                       self.context_length, load=lambda: self.active,
@@ -133,6 +137,7 @@ class RoundLoop:
                 f"{self.active} generations are running, the limit of this coordinator "
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
         governed = is_governed(mode.proposer, mode.fixed_gamma)  # what the governor may switch
+        times = TokenTimes(time.perf_counter())
         self.active += 1
         self.adaptive += governed
         try:
@@ -146,6 +151,7 @@ class RoundLoop:
                     # aclosing: however this ends, the round _run started ahead is gone before
                     # the caches are released below
                     async for chunk in chunks:
+                        self._observe_latency(times, chunk)
                         yield chunk
                         if chunk.finish_reason is None:
                             keeper.check()
@@ -168,7 +174,8 @@ class RoundLoop:
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here
         await self.store.save(record, lease)
         spec = self.speculation.start(record.session_id, mode.proposer, mode.fixed_gamma, request.tree_nodes,
-                                      self.draft_info.verifies_trees and self.target_info.verifies_trees)
+                                      self.draft_info.verifies_trees and self.target_info.verifies_trees,
+                                      self.routes.drafts.model_of(record.draft.address))
         rng = RequestRng(request.seed)
         text = StreamedText(self.tokenizer, record.token_ids, request.stop)
         generated: list[int] = []
@@ -178,6 +185,7 @@ class RoundLoop:
             while finish is None:
                 if self.context_length - len(record.token_ids) <= 0:
                     finish = FinishReason.CONTEXT
+                    result: RoundResult | None = None
                     round_tokens: list[int] = []
                     round_logprobs: list[TokenLogprobs] = []
                 else:
@@ -216,6 +224,8 @@ class RoundLoop:
                     await self._save_snapshot(record, committed, lease)  # an error cancels `ahead` (finally)
                     self._observe_metrics(result, store_started)
                 delta, finish = text.delta(finish)
+                if self.recorder is not None:
+                    self.recorder.observe(run, result, len(round_tokens), finish)
                 chunk = Chunk(record.session_id, delta, round_tokens, logprobs=round_logprobs)
                 if finish is not None:
                     run.stats.coordinator_seconds = max(
@@ -256,6 +266,14 @@ class RoundLoop:
                      tree=result.tree, accepted_nodes=result.verdict.accepted_nodes,
                      lookup_nodes=result.lookup_nodes)
 
+    def _observe_latency(self, times: TokenTimes, chunk: Chunk) -> None:
+        """A chunk leaves: the request's time to first token, and at its end its time per output token."""
+        first = times.streamed(len(chunk.token_ids), time.perf_counter())
+        if first is not None:
+            self.metrics.observe_first_token(first)
+        if chunk.finish_reason is not None and (per_token := times.per_output_token()) is not None:
+            self.metrics.observe_time_per_output_token(per_token)
+
     def _observe_metrics(self, result: RoundResult, store_started: float) -> None:
         """Record a committed and stored round in the metrics."""
         now = time.perf_counter()
@@ -275,10 +293,14 @@ class RoundLoop:
         started = time.perf_counter()
         record, stats = run.record, run.stats
         seeds = rng.round_seeds()
-        draft_up = self.routes.usable(Tier.DRAFT)
+        # a usable replica, and this request is not backing off the draft after a timeout
+        draft_up = self.routes.usable(Tier.DRAFT) and run.draft_backoff.ready(stats.rounds)
         if not draft_up and spec.uses_draft:
             stats.fallback_rounds += 1
         spec.load = max(1, self.active)  # the generations whose rounds share the target's batches
+        draft_model = self.routes.drafts.model_of(record.draft.address)
+        if draft_model is not None and draft_model != spec.draft_model:  # its replica serves another model now
+            self.speculation.use_draft_model(spec, draft_model)
         allowed = self.governor is None or self.governor.speculate(self.adaptive)
         lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
                   if spec.looks_up(cap, allowed) else NO_LOOKUP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from specdec.fingerprint import PrefixHashes
 from specdec.maths.tree import TokenTree
@@ -26,12 +27,64 @@ class FinishReason(StrEnum):
     CONTEXT = "context_length"   # the model context is full
 
 
+@dataclass
+class TokenTimes:
+    """When a generation arrived and streamed its tokens: its time to first token and time per
+    output token (as vLLM's benchmark_serving defines them), for the metrics."""
+
+    arrived: float              # time.perf_counter() when the request arrived
+    first: float | None = None  # ... when its first token left
+    last: float | None = None   # ... when its latest token left
+    tokens: int = 0             # tokens streamed so far
+
+    def streamed(self, tokens: int, now: float) -> float | None:
+        """`tokens` more tokens left at `now`: the time to first token when they are the first."""
+        if not tokens:
+            return None
+        first = self.first is None
+        if first:
+            self.first = now
+        self.last, self.tokens = now, self.tokens + tokens
+        return now - self.arrived if first else None
+
+    def per_output_token(self) -> float | None:
+        """(last token's time - first token's) / (tokens - 1); None with fewer than 2 tokens."""
+        if self.tokens < 2 or self.first is None or self.last is None:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
 @dataclass(frozen=True)
 class Predrafted:
     """Drafts a call made ahead proposed for the round that starts with `base` committed tokens."""
 
     base: int           # committed tokens the round they are for starts with
     proposal: Proposal  # the drafts and the q each was drawn from
+
+
+@dataclass
+class DraftBackoff:
+    """The rounds a request skips the draft model after its calls timed out: the replica is alive
+    but slow (a busy machine, a long prefill), so the request tries it again a few rounds later —
+    1 round after a timeout, then twice as many after each further timeout in a row — instead of
+    giving it up for the rest of the request. A call that answers ends the streak."""
+
+    streak: int = 0      # draft calls in a row that timed out
+    resume_at: int = 0   # the first round (numbered from 0 in the request) that may call the draft
+
+    def ready(self, round_index: int) -> bool:
+        """Whether round `round_index` may call the draft."""
+        return round_index >= self.resume_at
+
+    def timed_out(self, round_index: int) -> int:
+        """A draft call of round `round_index` timed out: the rounds skipped now."""
+        self.streak += 1
+        skipped = 2 ** (self.streak - 1)
+        self.resume_at = round_index + 1 + skipped
+        return skipped
+
+    def answered(self) -> None:
+        self.streak = 0
 
 
 @dataclass
@@ -45,6 +98,8 @@ class RequestRun:
     predrafted: Predrafted | None = None  # drafted ahead for the next round (--draft-ahead)
     cache_salt: str = ""  # the request's: mixed into the services' K/V chunk keys
     top_logprobs: int | None = None  # the request's: None, or the alternatives per token the target returns
+    draft_backoff: DraftBackoff = field(default_factory=DraftBackoff)  # rounds without the draft after timeouts
+    recording: Any = None  # coordinator/recording.py's buffer of this request (None: not begun; False: not recorded)
 
     def commit(self, tokens: list[int]) -> None:
         self.record.token_ids.extend(tokens)

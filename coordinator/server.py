@@ -25,6 +25,7 @@ from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerpr
 from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
+from coordinator.recording import Recorder
 from coordinator.sessions.clients import DraftClient, ServiceClient, TargetClient
 from coordinator.sessions.discovery import DiscoveryError, from_config as discovery_from_config
 from coordinator.round_loop import RoundLoop
@@ -211,6 +212,8 @@ class RunningCoordinator:
             self.metrics_server.stop()
         await self.round_loop.store.close()
         await self.round_loop.routes.close()
+        if self.round_loop.recorder is not None:
+            await asyncio.to_thread(self.round_loop.recorder.close)
 
 
 def open_routes(config: CoordinatorConfig, upstream: grpc.ChannelCredentials | None) -> Routes:
@@ -284,11 +287,15 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
     except SpecdecError as exc:  # serve anyway: requests answer UNAVAILABLE until it is back
         log.warning("%s", exc)
     metrics = Metrics("coordinator")
+    recorder = None
     try:
-        round_loop = RoundLoop(config, store, routes, tokenizer, draft_info, target_info, metrics)
+        recorder = Recorder.from_config(config, draft_info.model_id, target_info.model_id)
+        round_loop = RoundLoop(config, store, routes, tokenizer, draft_info, target_info, metrics, recorder)
         metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
     except (ValueError, OSError) as exc:
         await asyncio.gather(store.close(), routes.close())
+        if recorder is not None:
+            recorder.close()
         raise StartupError(str(exc)) from exc
     servicer = CoordinatorServicer(round_loop)
     if security.api_key and not security.server:

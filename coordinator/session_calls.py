@@ -5,7 +5,8 @@ it holds (at least the last one, so a replica holding everything still has a tok
 On a cache miss (the replica lost the session, or holds another history) the call is resent
 with the full history from prefix_len 0; while the tier is unreachable it is retried, on the
 next replica when there is one, for up to its retry budget — with the same seeds, so a retried
-round draws the same numbers.
+round draws the same numbers. A draft replica's calls get --draft-cold-deadline-s until it has
+answered one (its first call may run cold), --draft-timeout-s afterwards.
 
 `SessionCalls` is also the one owner of what each replica holds (the session record's
 `Placement.held`): only it records a held length, after its own calls (a miss: nothing; a
@@ -22,7 +23,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from specdec.config import CoordinatorConfig
-from specdec.errors import CacheMiss, FailedPrecondition, Unavailable
+from specdec.errors import CacheMiss, DeadlineExceeded, FailedPrecondition, Unavailable
 from specdec.logtag import session_tag
 from specdec.types import Proposal, SamplingParams, Verdict
 
@@ -50,7 +51,7 @@ class SessionCalls:
         sid = run.record.session_id
         return await self._with_resend(run, Tier.DRAFT, lambda draft, prefix, new_tokens: draft.propose(
             sid, prefix, run.hashes.at(prefix), new_tokens, gamma, params, seed,
-            timeout_s=self.config.draft_timeout_s, hints=hints, min_confidence=min_confidence,
+            timeout_s=propose_deadline_s(draft.answered, self.config), hints=hints, min_confidence=min_confidence,
             cache_salt=run.cache_salt, tree_nodes=tree_nodes))
 
     async def verify(self, run: RequestRun, drafts: list[int], proposal: Proposal, params: SamplingParams,
@@ -106,7 +107,9 @@ class SessionCalls:
                 _after_miss(run, miss, prefix, tier)
                 record.hold(tier, 0)
                 continue
-            except Unavailable:
+            except Unavailable as exc:
+                if tier == Tier.DRAFT and isinstance(exc, DeadlineExceeded):
+                    raise  # slow is not down: the draft source backs off (sources/draft_model.py)
                 self.routes.failed(tier, record.placement(tier).address)
                 now = time.monotonic()
                 give_up_at = now + retry_s if give_up_at is None else give_up_at
@@ -121,6 +124,12 @@ class SessionCalls:
                 run.stats.add_prefill(tier, len(new_tokens), result.restored_tokens)
             run.calls[tier] += 1
             return result
+
+
+def propose_deadline_s(answered: bool, config: CoordinatorConfig) -> float:
+    """A Propose call's budget: --draft-timeout-s once the replica has answered a Propose (warm),
+    --draft-cold-deadline-s before (its first call may run cold), whichever is longer."""
+    return config.draft_timeout_s if answered else max(config.draft_timeout_s, config.draft_cold_deadline_s)
 
 
 def _after_miss(run: RequestRun, miss: CacheMiss, prefix: int, tier: Tier) -> None:

@@ -14,7 +14,7 @@ from specdec.rpc.server import BackgroundServer
 from specdec.runtime.engines import runner_from_config
 from specdec.runtime.scheduler import batch_scheduler
 from specdec.runtime.worker import ModelWorker
-from specdec.tokenizer import tokenizer_fingerprint
+from specdec.tokenizer import fingerprints
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 from draft_service.servicer import DraftServicer
@@ -28,14 +28,14 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
     """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
     engine = runner_from_config(config)
+    drafting = engine.drafting(config.proposal_top_k)  # first: warm_up captures its loop's graphs
     engine.warm_up()  # before serving: the first call finds the engine ready
     worker = ModelWorker(config.max_queue, name="draft-model")
-    drafting = engine.drafting(config.proposal_top_k)
     scheduler = batch_scheduler(config, worker, drafting.propose_batch, lambda call: len(call.new_tokens) + len(call.hints))
     # a draft's ModelInfo.verifies_trees says whether it grows trees
     description = dataclasses.replace(engine.description, verifies_trees=engine.grows_trees)
     servicer = DraftServicer(engine, drafting, description, scheduler,
-                             lambda n: tokenizer_fingerprint(engine.tokenizer, n))
+                             fingerprints(engine.tokenizer))
     server, port = serve_model(config, "draft", DEFAULT_PORT, servicer,
                                draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, engine, worker,
                                credentials, interceptors, {"Propose": "draft"})

@@ -71,6 +71,10 @@ class ModelServiceConfig(ServerTlsConfig):
     kv_cache_bytes: int = opt(4 << 30, "memory budget for all KV caches in bytes (LRU beyond); the graph "
                               "backend allocates its pool of this size at start (at most what "
                               "--max-sessions sessions of the full context take)")
+    kv_cache_memory_fraction: float = opt(0.0, "graph backend on CUDA: the K/V pool takes this fraction "
+                                          "(0 < f <= 1) of the GPU's free memory once the model is loaded, "
+                                          "instead of --kv-cache-bytes (0 = off); leave room for the CUDA "
+                                          "graphs and activations, and for another service on the same GPU")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
     kv_store: str = opt("", "shared store of K/V chunks: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for "
                         "TLS), memory:// (this process only), or empty (off). A session this replica "
@@ -147,7 +151,12 @@ class CoordinatorConfig(ServerTlsConfig):
                                       "lease whose coordinator's key lapsed (Redis)")
     max_concurrent_generations: int = opt(64, "requests generating at once; more get RESOURCE_EXHAUSTED")
     draft_timeout_s: float = opt(10.0, "budget of one Propose call; slower or failing drafts make the "
-                                 "round target-only")
+                                 "round target-only (a request that timed out backs off the draft "
+                                 "for 1, 2, 4, ... rounds)")
+    draft_cold_deadline_s: float = opt(30.0, "budget of the Propose calls to a draft replica until it "
+                                       "has answered one (its first call may run cold: a long "
+                                       "prompt's prefill, first allocations, a busy machine); then "
+                                       "--draft-timeout-s")
     draft_retry_s: float = opt(5.0, "a failing draft replica is skipped for at least this long (rounds "
                                "are target-only while no draft replica is usable)")
     target_retry_s: float = opt(60.0, "how long to keep retrying an unreachable target before "
@@ -225,6 +234,14 @@ class CoordinatorConfig(ServerTlsConfig):
                                  "comma-separated in the environment", many=True)
     http_max_body_bytes: int = opt(1 << 20, "largest HTTP request body the OpenAI-compatible API accepts "
                                    "(larger ones get 413)")
+    record_dir: str = opt("", "append training records to JSON-lines files in this directory: per "
+                          "finished request its tokens and which proposals the target rejected (see "
+                          "docs/operations.md#recording); never a request with a cache_salt; empty = off")
+    record_max_bytes: int = opt(1 << 30, "most bytes of records --record-dir holds, its files together; "
+                                "past it new records are dropped until files are moved away")
+    record_stream: str = opt("", "add the training records to this Redis stream, in the Redis of "
+                             "--session-store (which must be redis://); empty = off")
+    record_max_len: int = opt(100000, "most records --record-stream keeps (older ones are trimmed)")
 
 
 def names_of(value: str) -> tuple[str, ...]:

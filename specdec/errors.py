@@ -65,5 +65,9 @@ class Unavailable(SpecdecError):
     """A dependency (service, store) cannot be reached."""
 
 
+class DeadlineExceeded(Unavailable):
+    """A call to a service outlasted its deadline: the service may be down, or only slow."""
+
+
 class ServiceFault(SpecdecError):
     """A downstream service failed unexpectedly (a bug, not bad input): reported as INTERNAL."""

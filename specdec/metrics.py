@@ -6,8 +6,9 @@ registry state, so several services or tests can live in one process) served on
 the prefix ``specdec_``; counters are exposed with the ``_total`` suffix
 (``specdec_num_drafts_total``), histograms with ``_bucket`` / ``_sum`` / ``_count``.
 
-A service records and exports only what it sees (FAMILIES): the coordinator rounds, γ and
-requests; the draft and target their stage latency, batch sizes and caches. docs/operations.md's
+A service records and exports only what it sees (FAMILIES): the coordinator rounds, γ,
+requests and their latency (time to first token, time per output token as vLLM's
+benchmark_serving defines them); the draft and target their stage latency, batch sizes and caches. docs/operations.md's
 metrics table says the same, checked against live services by tests/test_metrics_e2e.py.
 """
 
@@ -52,6 +53,7 @@ MODEL_SERVICES = ("draft", "target")
 FAMILIES: dict[str, tuple[str, ...]] = {
     "specdec_service": SERVICES,
     "specdec_requests": SERVICES,
+    "specdec_http_requests": ("coordinator",),
     "specdec_round_latency_seconds": SERVICES,
     "specdec_num_drafts": ("coordinator",),
     "specdec_num_draft_tokens": ("coordinator",),
@@ -64,6 +66,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "specdec_tokens_per_round": ("coordinator",),
     "specdec_num_speculative_tokens": ("coordinator",),
     "specdec_active_sessions": ("coordinator",),
+    "specdec_time_to_first_token_seconds": ("coordinator",),
+    "specdec_time_per_output_token_seconds": ("coordinator",),
     "specdec_batch_size": MODEL_SERVICES,
     "specdec_cached_sessions": MODEL_SERVICES,
     "specdec_kv_cache_bytes": MODEL_SERVICES,
@@ -73,6 +77,7 @@ KV_STORE_PREFIX = "specdec_kv_store_"  # K/V chunk families of the KV store: exp
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
+REQUEST_LATENCY_BUCKETS = LATENCY_BUCKETS + (60.0, 120.0)  # a request's first token may wait for a long prefill
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
 
@@ -130,6 +135,9 @@ class Metrics:
                                                buckets=TOKEN_BUCKETS, registry=None)
         self.requests = Counter("specdec_requests", "finished gRPC calls by method and status code",
                                 ["method", "code"], registry=None)
+        self.http_requests = Counter("specdec_http_requests",
+                                     "finished calls of the OpenAI-compatible HTTP API by route and status",
+                                     ["path", "status"], registry=None)
         self.round_latency = Histogram("specdec_round_latency_seconds",
                                        "time a round spent per stage", ["stage"],
                                        buckets=LATENCY_BUCKETS, registry=None)
@@ -141,6 +149,14 @@ class Metrics:
         self.num_speculative_tokens = Histogram("specdec_num_speculative_tokens",
                                                 "γ chosen per round", by_proposer,
                                                 buckets=TOKEN_BUCKETS, registry=None)
+        self.time_to_first_token = Histogram(
+            "specdec_time_to_first_token_seconds",
+            "from a generation's arrival to its first token leaving the coordinator",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=None)
+        self.time_per_output_token = Histogram(
+            "specdec_time_per_output_token_seconds",
+            "per finished generation of 2+ tokens: (its last token's time - its first's) / (tokens - 1)",
+            buckets=LATENCY_BUCKETS, registry=None)
         self.active_sessions = Gauge("specdec_active_sessions", "requests being served now",
                                      registry=None)
         self.cached_sessions = Gauge("specdec_cached_sessions", "sessions whose KV cache is held",
@@ -194,6 +210,14 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def observe_first_token(self, seconds: float) -> None:
+        """A generation's time to first token (the coordinator)."""
+        self.time_to_first_token.observe(seconds)
+
+    def observe_time_per_output_token(self, seconds: float) -> None:
+        """A finished generation's mean time per token after its first (the coordinator)."""
+        self.time_per_output_token.observe(seconds)
+
     def observe_batch(self, size: int) -> None:
         self.batch_size.observe(size)
 
@@ -217,6 +241,10 @@ class Metrics:
     def record_request(self, method: str, code: Any) -> None:
         """A finished call: `code` is a grpc.StatusCode or its name ("OK", "INVALID_ARGUMENT")."""
         self._child(self.requests, method, str(getattr(code, "name", code))).inc()
+
+    def record_http_request(self, path: str, status: int) -> None:
+        """A finished HTTP call: `path` is its route's template ("/v1/completions"), `status` its code."""
+        self._child(self.http_requests, path, str(status)).inc()
 
     def render(self) -> bytes:
         """The text exposition of this registry (what /metrics serves)."""

@@ -8,10 +8,11 @@ tokenizer is loaded). specdec.runtime.loader builds the model loading on these.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class ModelLoadError(RuntimeError):
@@ -52,3 +53,10 @@ def tokenizer_fingerprint(tokenizer: Any, limit: int | None = None) -> str:
     """
     vocab = sorted((i, t) for t, i in tokenizer.get_vocab().items() if limit is None or i < limit)
     return hashlib.sha256(json.dumps([[t, i] for i, t in vocab], ensure_ascii=False).encode()).hexdigest()
+
+
+def fingerprints(tokenizer: Any) -> Callable[[int | None], str]:
+    """tokenizer_fingerprint of `tokenizer` by limit, each limit's computed once. A model
+    service answers the coordinator's probes with it: over a 150k-token vocabulary it takes
+    seconds on a busy CPU, longer than a probe waits, and the next probe must not start over."""
+    return functools.lru_cache(maxsize=8)(lambda limit: tokenizer_fingerprint(tokenizer, limit))

@@ -1,4 +1,4 @@
-"""The `specdec` command: serve, up, generate, models.
+"""The `specdec` command: serve, up, generate, models, distill.
 
 Every flag has an environment equivalent: service flags are
 SPECDEC_<SERVICE>_<FLAG> (e.g. SPECDEC_DRAFT_MODEL), the others
@@ -12,10 +12,11 @@ import logging
 import os
 from typing import Sequence
 
-from specdec_cli import generate, models, serve, up
+from specdec_cli import distill, generate, models, serve, up
 from specdec_cli.env import env_default
 
-COMMANDS = {"serve": serve.run, "up": up.run, "generate": generate.run, "models": models.run}
+COMMANDS = {"serve": serve.run, "up": up.run, "generate": generate.run, "models": models.run,
+            "distill": distill.run}
 
 
 def quiet_libraries() -> None:
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=env_default("cli", "log_level", "WARNING"),
                         help="logging level (env SPECDEC_CLI_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (serve, up, generate, models):
+    for command in (serve, up, generate, models, distill):
         command.add_parser(sub)
     return parser
 

@@ -63,6 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--api-key-file", default=env_default("up", "api_key_file", ""),
                     help=f"the coordinator's {help_of(CoordinatorConfig, 'api_key_file')}, on the gRPC and "
                          "the HTTP API; --prompt sends it (env SPECDEC_UP_API_KEY_FILE)")
+    for flag in ("record_dir", "record_max_bytes", "record_stream", "record_max_len"):
+        up.add_argument("--" + flag.replace("_", "-"), default=env_default("up", flag, None),
+                        help=f"the coordinator's: {help_of(CoordinatorConfig, flag)} "
+                             f"(env SPECDEC_UP_{flag.upper()}; default: the coordinator's)")
     up.add_argument("--startup-timeout", type=float, default=env_default("up", "startup_timeout", 600.0),
                     help="seconds to wait for each service (env SPECDEC_UP_STARTUP_TIMEOUT)")
     up.add_argument("--prompt", default=env_default("up", "prompt", None),
@@ -133,6 +137,9 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
     kv_store = ["--kv-store", args.kv_store] if args.kv_store else []
     names = ["--served-model-name", *served_names(args)] if served_names(args) else []
     api_key = ["--api-key-file", args.api_key_file] if args.api_key_file else []
+    recording = [argument for flag in ("record_dir", "record_max_bytes", "record_stream", "record_max_len")
+                 if getattr(args, flag) not in (None, "")
+                 for argument in ("--" + flag.replace("_", "-"), str(getattr(args, flag)))]
     return {
         "draft": SERVE + ["draft", "--model", draft_model, "--backend", args.backend, "--dtype", args.dtype,
                           "--device", args.device, "--port", str(grpc_ports["draft"]), "--quantize",
@@ -143,7 +150,7 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
         "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target", addresses["target"],
                                 "--port", str(grpc_ports["coordinator"]), "--http-port", str(http_port(args)),
                                 "--metrics-port", str(metrics["coordinator"]),
-                                "--session-store", args.session_store, *api_key, *names],
+                                "--session-store", args.session_store, *api_key, *names, *recording],
     }
 
 
@@ -187,15 +194,18 @@ def api_key_of(args: argparse.Namespace) -> str:
 
 
 def stop_all(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM every child still running, last started first; SIGKILL any that lingers 10 s."""
-    for proc in reversed(procs):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in reversed(procs):
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """SIGTERM every child still running, SIGKILL any that lingers 10 s: the last started (the
+    coordinator) first and alone, so its calls and streams to the model services end before
+    they stop (no call is cut by a server going away), then the rest together."""
+    for group in (procs[-1:], procs[:-1]):
+        for proc in group:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in group:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from specdec.rpc.server import BackgroundServer
 from specdec.runtime.engines import runner_from_config
 from specdec.runtime.scheduler import batch_scheduler
 from specdec.runtime.worker import ModelWorker
-from specdec.tokenizer import tokenizer_fingerprint
+from specdec.tokenizer import fingerprints
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 from target_service.servicer import TargetServicer
@@ -33,7 +33,7 @@ def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerIntercepto
     scheduler = batch_scheduler(config, worker, verification.verify_batch,
                                 lambda call: len(call.new_tokens) + len(call.drafts))
     servicer = TargetServicer(engine, verification, engine.description, scheduler,
-                              lambda n: tokenizer_fingerprint(engine.tokenizer, n))
+                              fingerprints(engine.tokenizer))
     server, port = serve_model(config, "target", DEFAULT_PORT, servicer,
                                target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, engine, worker,
                                credentials, interceptors, {"Verify": "verify"})

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# hermetic: the tests never see the model pair `specdec models fetch` left on this machine
+os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
 
 from specdec_cli import tiny  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402

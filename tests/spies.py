@@ -1,9 +1,12 @@
 """Recording spies for the real in-process servers: a gRPC server interceptor that keeps a
-copy of every request message of the methods it watches, then lets the call through; and
-`held_worker`, which occupies a service's model worker so that calls queue behind it."""
+copy of every request message of the methods it watches, then lets the call through;
+`DelayedCalls`, an interceptor that holds chosen calls of a method back before letting them
+through (a slow service, as its clients see it); and `held_worker`, which occupies a service's
+model worker so that calls queue behind it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from contextlib import contextmanager
@@ -67,6 +70,52 @@ class RequestRecorder(grpc.aio.ServerInterceptor):
         with self._lock:
             calls, self.calls = self.calls, []
         return calls
+
+
+class DelayedCalls(grpc.aio.ServerInterceptor):
+    """Holds the n-th call of `method` (counted from 1, over its unary calls and the calls on its
+    call stream) back for delays[n] seconds, then lets it through unchanged."""
+
+    def __init__(self, method: str, delays: dict[int, float]):
+        self.method = f"/{method}" if not method.startswith("/") else method
+        self.delays = dict(delays)
+        self.count = 0
+
+    async def _wait(self) -> None:
+        self.count += 1  # one event loop: no lock needed
+        delay = self.delays.get(self.count, 0.0)
+        if delay:
+            await asyncio.sleep(delay)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is not None and handler.stream_stream is not None and method.endswith(self.method + "Stream"):
+            inner_stream = handler.stream_stream
+
+            async def delayed_stream(requests, context):
+                async def delayed():
+                    async for item in requests:
+                        await self._wait()
+                        yield item
+
+                async for response in inner_stream(delayed(), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(
+                delayed_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler is None or handler.unary_unary is None or not method.endswith(self.method):
+            return handler
+        inner = handler.unary_unary
+
+        async def delayed_call(request, context):
+            await self._wait()
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            delayed_call, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
 
 
 @contextmanager

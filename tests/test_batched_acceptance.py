@@ -98,9 +98,9 @@ def test_the_scalar_rule_on_hand_built_rows():
 
 
 def test_a_rows_draws_are_its_own_generators():
-    gammas = [2, 4, 1]
-    alone = row_uniforms([make_generator(7)], [2], torch.device("cpu"))
-    together = row_uniforms([make_generator(7), make_generator(8), None], gammas, torch.device("cpu"))
+    counts = [3, 5, 2]  # γ + 1 draws of a verification row
+    alone = row_uniforms([make_generator(7)], [3], torch.device("cpu"))
+    together = row_uniforms([make_generator(7), make_generator(8), None], counts, torch.device("cpu"))
     assert together.shape == (3, 5)
     assert torch.equal(together[0, :3], alone[0, :3]) and not together[0, 3:].any()
     assert not together[2].any()  # greedy rows draw nothing

@@ -185,3 +185,19 @@ def test_up_passes_the_service_flags_on():
     assert coordinator[coordinator.index("--served-model-name") + 1:][:2] == ["a", "b"]
     for service, port in (("coordinator", "9100"), ("draft", "9101"), ("target", "9102")):
         assert argvs[service][argvs[service].index("--metrics-port") + 1] == port
+
+
+def test_up_passes_recording_on_only_when_asked():
+    from specdec.config import CoordinatorConfig, from_sources
+    from specdec_cli import up
+    from specdec_cli.main import build_parser
+
+    addresses = {"draft": "127.0.0.1:6001", "target": "127.0.0.1:6002"}
+    plain = up.commands(build_parser().parse_args(["up"]), "D", "T", addresses)["coordinator"]
+    assert not [flag for flag in plain if flag.startswith("--record")]
+    asked = up.commands(build_parser().parse_args(["up", "--record-dir", "/r", "--record-max-bytes", "1000"]),
+                        "D", "T", addresses)["coordinator"]
+    parsed = build_parser().parse_args(asked[asked.index("serve"):])  # as the child parses it
+    assert parsed.service == "coordinator"
+    config = from_sources(CoordinatorConfig, "coordinator", vars(parsed), env={})
+    assert (config.record_dir, config.record_max_bytes, config.record_stream) == ("/r", 1000, "")

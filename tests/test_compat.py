@@ -18,7 +18,7 @@ import pytest
 from coordinator.server import StartupError, start as start_coordinator
 from specdec_cli import tiny
 from specdec.config import CoordinatorConfig
-from specdec.tokenizer import load_tokenizer, tokenizer_fingerprint
+from specdec.tokenizer import fingerprints, load_tokenizer, tokenizer_fingerprint
 from specdec.v1 import target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference
@@ -66,6 +66,19 @@ def test_the_mismatch_is_real(mixed_pair):
     assert target_tok.convert_tokens_to_ids("<|endoftext|>") == 384
     assert tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(target_tok)
     assert tokenizer_fingerprint(draft_tok, 384) == tokenizer_fingerprint(target_tok, 384)
+
+
+@pytest.mark.unit
+def test_a_service_computes_each_fingerprint_once(mixed_pair):
+    """A probe that timed out while the fingerprint was computed finds it at hand next time."""
+    target_tok = load_tokenizer(mixed_pair[1])
+    reads = []
+    vocab = target_tok.get_vocab
+    target_tok.get_vocab = lambda: reads.append(1) or vocab()
+    fingerprint = fingerprints(target_tok)
+    assert fingerprint(384) == fingerprint(384) == tokenizer_fingerprint(load_tokenizer(mixed_pair[1]), 384)
+    assert fingerprint(None) != fingerprint(384) and fingerprint(None) == fingerprint(None)
+    assert len(reads) == 2  # one per limit
 
 
 @pytest.mark.e2e

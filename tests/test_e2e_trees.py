@@ -127,9 +127,9 @@ def believe_draft_and_lookup(cluster: Cluster, draft_alpha: float = 0.9, lookup_
     speculation = cluster.coordinator.round_loop.speculation
     new_policy = speculation.policy
 
-    def believing(session_id):
+    def believing(session_id, *args):
         fresh = session_id not in speculation._policies
-        policy = new_policy(session_id)
+        policy = new_policy(session_id, *args)
         if fresh:
             policy.draft_prior = None
             policy.seed(Proposer.DRAFT, draft_alpha, 10_000)

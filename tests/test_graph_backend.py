@@ -80,6 +80,14 @@ def test_what_the_graph_engine_does_not_take_is_refused_by_name(models):
         runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32", quantize="int8", **GRAPH))
     draft = runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32", **GRAPH))
     assert isinstance(draft, PagedSessionRunner)  # --quantize auto: plain weights on this engine
+    # a pool sized as a fraction of free memory: the graph engine on CUDA only, a fraction in (0, 1]
+    for fraction, backend, message in ((0.5, "graph", "graph backend's pool on a CUDA device; this service runs "
+                                        "--backend graph on cpu: give --kv-cache-bytes instead"),
+                                       (0.5, "torch", "this service runs --backend torch on cpu"),
+                                       (1.5, "graph", r"must be in \(0, 1\] \(0 = off\), got 1.5")):
+        with pytest.raises(ModelLoadError, match=message):
+            runner_from_config(DraftConfig(model=models["llama"]["draft"], backend=backend,
+                                           kv_cache_memory_fraction=fraction))
 
 
 # ---- the runner: rollback, trees, the pool's bound ------------------------------------------------

@@ -78,3 +78,34 @@ def test_captured_greedy_decoding_equals_hf_generate_for_128_tokens():
         logits = run(runner, "s", tokens[-1:])
     assert tokens == want
     assert runner.replays >= 128
+
+
+@needs_cuda
+def test_the_captured_draft_loop_replays_the_eager_loop():
+    """Greedy and sampled rows in one batch of 3 (a bucket of 4 rows, 4 steps for γ 3): the
+    captured loop draws what the same loop draws eagerly, and is replayed."""
+    from specdec.runtime.batched_proposal import RowWarps
+    from specdec.runtime.graph.draft_loop import DraftLoop
+    from specdec.types import SamplingParams
+
+    hf, runner = cuda_runner()
+    seqs = [sequence(n, seed=n) for n in (6, 21, 40)]
+    for i, seq in enumerate(seqs):
+        run(runner, f"s{i}", seq[:-1])
+    first = torch.cat(runner.forward([RowInput(f"s{i}", seq[-1:], 1) for i, seq in enumerate(seqs)]))
+    warps = RowWarps.of([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5),
+                         SamplingParams(temperature=0.8, top_p=0.9)])
+    uniforms = torch.rand((3, 3), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    drawn = []
+    for capture in (False, True):
+        loop = DraftLoop(runner.model, runner.kv, 8, (1, 4), (1, 4), (4, 32), capture)
+        loop.capture()
+        lengths = [runner.kv.length(f"s{i}") for i in range(3)]
+        slots = [runner.kv.append(f"s{i}", 2) for i in range(3)]
+        out = loop.run(first.float(), lengths, slots, [runner.kv.block_table(f"s{i}") for i in range(3)],
+                       uniforms, warps)
+        drawn.append(out.to_host(3, 3))
+        for i, length in enumerate(lengths):
+            runner.kv.truncate(f"s{i}", length)
+        assert loop.replays == int(capture)
+    assert [[step[0] for step in row] for row in drawn[0]] == [[step[0] for step in row] for row in drawn[1]]

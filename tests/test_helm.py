@@ -58,6 +58,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "keda": {
         **{tier: {"autoscaling": {"enabled": True, "keda": {"enabled": True}}} for tier in TIERS},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+        "grafana": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "specdec"}}},
     },
     "tls-apikey": {
         "tls": {"internal": {"enabled": True, "serverSecret": "tiers-tls", "clientSecret": "coordinator-client-tls"},
@@ -235,6 +236,8 @@ def test_lint_is_clean(name):
     ({"coordinator": {"http": {"ingress": {"hosts": [{"host": "a.example.com", "paths": [
         {"path": "/", "pathType": "Regex"}]}]}}}}, "/coordinator/http/ingress/hosts/0/paths/0/pathType"),
     ({"coordinator": {"http": {"ingress": {"tls": [{"secret": "x"}]}}}}, "/coordinator/http/ingress/tls/0"),
+    ({"grafana": {"dashboard": {"label": "grafana dashboard"}}}, "/grafana/dashboard/label"),
+    ({"grafana": {"dashboard": {"labelValue": 1}}}, "/grafana/dashboard/labelValue"),
 ])
 def test_schema_rejects_bad_values(chart, values, where):
     with pytest.raises(helm.HelmValuesError) as info:
@@ -604,6 +607,22 @@ def test_keda_renders_scaled_objects_instead_of_hpas(rendered):
         assert monitor["spec"]["selector"]["matchLabels"] == selector_labels(tier)
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_the_grafana_dashboard_is_a_configmap_for_the_sidecar(rendered, chart):
+    dashboard = json.loads((CHART / "dashboards" / "specdec.json").read_text())
+    config_map = rendered["keda"].one("ConfigMap", "dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's default label
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "specdec"}
+    assert json.loads(config_map["data"]["specdec.json"]) == dashboard  # the file, whole
+    assert rendered["defaults"].maybe("ConfigMap", "dashboard") is None  # off by default
+    other = chart.render({"grafana": {"dashboard": {"enabled": True, "label": "example.com/dashboard",
+                                                    "labelValue": "specdec", "namespace": "monitoring"}}},
+                         name=RELEASE, namespace=NAMESPACE, is_install=True)
+    moved = yaml.safe_load(other["specdec/templates/configmap-dashboard.yaml"])
+    assert moved["metadata"]["namespace"] == "monitoring"
+    assert moved["metadata"]["labels"]["example.com/dashboard"] == "specdec"
+    assert "grafana_dashboard" not in moved["metadata"]["labels"] and "annotations" not in moved["metadata"]
 
 
 def test_tls_and_api_key(rendered):

@@ -172,3 +172,17 @@ def test_every_service_has_a_metrics_port_flag(cls, prefix):
     assert from_sources(cls, prefix, vars(parser.parse_args([])), env).metrics_port == 9090
     assert from_sources(cls, prefix, vars(parser.parse_args(["--metrics-port", "9100"])),
                         env).metrics_port == 9100
+
+
+@pytest.mark.unit
+def test_token_times_give_the_time_to_first_token_and_per_output_token():
+    from coordinator.rounds import TokenTimes
+
+    times = TokenTimes(arrived=10.0)
+    assert times.streamed(0, 10.5) is None  # a chunk without tokens (a stop string held back)
+    assert times.streamed(3, 11.0) == 1.0  # the first tokens: 1 s after arrival
+    assert times.streamed(2, 12.0) is None
+    assert times.streamed(0, 15.0) is None and times.per_output_token() == (12.0 - 11.0) / (5 - 1)
+    one = TokenTimes(arrived=0.0)
+    one.streamed(1, 1.0)
+    assert one.per_output_token() is None  # a single token has no time per output token

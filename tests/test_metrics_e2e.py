@@ -3,9 +3,11 @@ counters move exactly as the returned stats say."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -22,9 +24,21 @@ pytestmark = pytest.mark.e2e
 def metered(small_vocab_models):
     ports = {name: _free_port() for name in ("coordinator", "draft", "target")}
     with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
-                 coordinator={"metrics_port": ports["coordinator"]},
+                 coordinator={"metrics_port": ports["coordinator"], "http_port": -1},
                  draft={"metrics_port": ports["draft"]},
                  target={"metrics_port": ports["target"]}) as cluster:
+        yield cluster, ports
+
+
+@pytest.fixture(scope="module")
+def metered_kv_store(small_vocab_models):
+    """The same with a KV store behind the draft and the target: the specdec_kv_store_* families."""
+    ports = {name: _free_port() for name in ("coordinator", "draft", "target")}
+    with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
+                 coordinator={"metrics_port": ports["coordinator"]},
+                 draft={"metrics_port": ports["draft"], "kv_store": "memory://"},
+                 target={"metrics_port": ports["target"], "kv_store": "memory://"}) as cluster:
+        cluster.complete(token_ids=[3, 7, 5, 3, 7], max_new_tokens=8, ignore_eos=True)
         yield cluster, ports
 
 
@@ -51,12 +65,15 @@ def expected_families(service: str, kv_store: bool) -> set[str]:
             if service in services and (kv_store or not store_only) for name in names}
 
 
+def exposition(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
 def exported_families(port: int) -> set[str]:
     """The family names GET /metrics declares (# TYPE lines), less prometheus_client's own
     `_created` timestamps."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {line.split()[2] for line in text.splitlines()
+    return {line.split()[2] for line in exposition(port).splitlines()
             if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")}
 
 
@@ -79,8 +96,10 @@ def moved(before: dict, after: dict, service: str, name: str, **labels) -> float
 def test_counters_move_with_the_returned_stats(metered):
     cluster, ports = metered
     before = scrape_all(ports)
+    started = time.monotonic()
     response = cluster.complete(token_ids=[3, 7, 5, 3, 7, 5, 3, 7], max_new_tokens=48, ignore_eos=True,
                                 proposer=coordinator_pb2.PROPOSER_AUTO)
+    elapsed = time.monotonic() - started
     after = scrape_all(ports)
     stats = response.stats
     assert stats.draft_rounds > 0 and stats.ngram_rounds > 0  # both proposers took part
@@ -113,6 +132,11 @@ def test_counters_move_with_the_returned_stats(metered):
         assert coordinator("specdec_round_latency_seconds_count", stage=stage) == stats.rounds
     assert coordinator("specdec_round_latency_seconds_count", stage="draft") == stats.draft_rounds
     assert coordinator("specdec_requests_total", method="Complete", code="OK") == 1
+    # one generation: one time to first token, one time per output token, within its own duration
+    assert coordinator("specdec_time_to_first_token_seconds_count") == 1
+    assert coordinator("specdec_time_per_output_token_seconds_count") == 1
+    assert 0 < coordinator("specdec_time_to_first_token_seconds_sum") < elapsed
+    assert 0 < coordinator("specdec_time_per_output_token_seconds_sum") * (stats.generated_tokens - 1) < elapsed
     assert value(after["coordinator"], "specdec_active_sessions") == 0
 
     # the draft was called once per draft round, the target once per round
@@ -191,11 +215,41 @@ def test_each_service_exports_exactly_the_documented_families(metered):
     check_documented(ports, kv_store=False)
 
 
-def test_the_kv_store_families_appear_with_a_kv_store(small_vocab_models):
-    ports = {name: _free_port() for name in ("coordinator", "draft", "target")}
-    with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
-                 coordinator={"metrics_port": ports["coordinator"]},
-                 draft={"metrics_port": ports["draft"], "kv_store": "memory://"},
-                 target={"metrics_port": ports["target"], "kv_store": "memory://"}) as cluster:
+def test_the_kv_store_families_appear_with_a_kv_store(metered_kv_store):
+    _, ports = metered_kv_store
+    check_documented(ports, kv_store=True)
+
+
+def test_http_calls_count_by_route_and_status(metered):
+    cluster, ports = metered
+    base = f"http://127.0.0.1:{cluster.coordinator.http_port}"
+    before = scrape_all(ports)
+    body = json.dumps({"model": cluster.coordinator.served_model_names[0], "prompt": [3, 7, 5],
+                       "max_tokens": 4, "temperature": 0}).encode()
+    post = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(post, timeout=30) as response:
+        assert response.status == 200
+    for url, data in ((f"{base}/v1/completions", b"{not json"), (f"{base}/v1/nowhere", None)):
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(urllib.request.Request(url, data, {"Content-Type": "application/json"}), timeout=30)
+    after = scrape_all(ports)
+    counted = {(path, status): moved(before, after, "coordinator", "specdec_http_requests_total",
+                                     path=path, status=status)
+               for path, status in (("/v1/completions", "200"), ("/v1/completions", "400"), ("unmatched", "404"))}
+    assert counted == {key: 1 for key in counted}
+    assert moved(before, after, "coordinator", "specdec_time_to_first_token_seconds_count") == 1  # both APIs
+
+
+def test_the_dashboard_names_only_series_the_services_export(metered, metered_kv_store):
+    """Every series name in every query of helm/specdec/dashboards/specdec.json is one a running
+    service exposes (on /metrics, scraped here from both clusters, with and without a KV store)."""
+    from tests.test_dashboard import exportable_series, load_dashboard, queries, series_names
+
+    exported = set()
+    for cluster, ports in (metered, metered_kv_store):
         cluster.complete(token_ids=[3, 7, 5, 3, 7], max_new_tokens=8, ignore_eos=True)
-        check_documented(ports, kv_store=True)
+        for port in ports.values():
+            exported |= exportable_series(exposition(port))
+    unknown = {(title, name) for title, expr in queries(load_dashboard())
+               for name in series_names(expr) if name not in exported}
+    assert not unknown, f"panels query series no service exports: {sorted(unknown)}"

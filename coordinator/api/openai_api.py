@@ -426,6 +426,31 @@ def _include_usage(body: SpecdecFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
+class CountedRequests:
+    """ASGI middleware: every finished HTTP call counted by its route and status (an unknown
+    path as "unmatched", so the label's values stay few; an exception that escapes as 500)."""
+
+    def __init__(self, app: Any, record: Callable[[str, int], None]):
+        self.app, self.record = app, record
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def sending(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.record(getattr(scope.get("route"), "path", "unmatched"), status)
+
+
 def create_app(round_loop: RoundLoop, api_key: str | None, max_body_bytes: int,
                served_names: tuple[str, ...]) -> FastAPI:
     """The FastAPI app of the OpenAI-compatible API over `round_loop`, answering to `served_names`."""
@@ -439,4 +464,5 @@ def create_app(round_loop: RoundLoop, api_key: str | None, max_body_bytes: int,
     # specific kinds: handled inside the app; Exception: the last resort (500, logged)
     for kind in (ApiError, errors.SpecdecError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, lambda request, exc: error_response(exc))
+    app.add_middleware(CountedRequests, record=round_loop.metrics.record_http_request)
     return app

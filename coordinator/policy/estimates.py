@@ -5,6 +5,8 @@ t_propose(γ), as exponentially weighted linear fits)."""
 
 from __future__ import annotations
 
+import copy
+
 from specdec.maths.tree import TREE_WIDTH
 from specdec.types import Proposer
 
@@ -176,6 +178,15 @@ class CostModel:
         # the draft growing a tree, against its depth: a depth's forward carries several nodes,
         # so it is fitted apart from the chains' steps (and leaves their fit to chains)
         self.tree_propose = LinearFit(decay, "proportional")
+
+    def for_another_draft(self) -> "CostModel":
+        """The costs of another draft model: this one's verify fit and prompt lookup's (the
+        target's and the coordinator's own, shared with it), fits of its own for the draft's
+        steps and trees (a pinned cost ratio stays pinned)."""
+        other = copy.copy(self)
+        other.propose = {**self.propose, Proposer.DRAFT: LinearFit(self.verify.decay, "proportional")}
+        other.tree_propose = LinearFit(self.verify.decay, "proportional")
+        return other
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.observe(tokens, seconds)

@@ -143,6 +143,7 @@ class SessionPolicy:
     branch: AcceptanceEstimate | None = None  # trees: b, an alternative's acceptance (shared; None: own)
     lookup_prior: AcceptanceEstimate | None = None  # prompt lookup's α over all sessions (shared)
     order_priors: dict[int, AcceptanceEstimate] = field(default_factory=dict)  # ... per match length
+    draft_model: str = ""  # the draft model (its fingerprint) the draft's estimates are of
 
     def __post_init__(self) -> None:
         c = self.config
@@ -153,6 +154,16 @@ class SessionPolicy:
         self.lookup_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
         if self.branch is None:
             self.branch = AcceptanceEstimate(c.alpha_decay)
+
+    def use_draft(self, draft_model: str, costs: CostModel, prior: AcceptanceEstimate, clock: ProbeClock,
+                  branch: AcceptanceEstimate) -> None:
+        """Another draft model proposes for this session now (its replica serves another
+        fingerprint: a new model rolled out): what the session learnt of the draft is forgotten,
+        and that model's coordinator-wide estimates are used (fresh ones for a model not seen)."""
+        c = self.config
+        self.draft_model, self.costs, self.draft_prior, self.probe_clock, self.branch = (
+            draft_model, costs, prior, clock, branch)
+        self.sources[Proposer.DRAFT] = _SourceState(AcceptanceEstimate(c.alpha_decay), ProbeClock(c.probe_interval))
 
     def alpha(self, source: Proposer) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round).

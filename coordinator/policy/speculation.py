@@ -22,6 +22,7 @@ chain (`auto_tree_budget`, session_policy.py); a tree round feeds back its spine
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,13 +31,16 @@ from typing import Callable
 from specdec.maths.tree import TokenTree, tree_outcome
 from specdec.types import Proposer, Trees
 
-from coordinator.policy.estimates import SOURCES, AcceptanceEstimate, CostModel
+from coordinator.policy.estimates import AcceptanceEstimate, CostModel
 from coordinator.policy.session_policy import PolicyConfig, ProbeClock, SessionPolicy
+
+log = logging.getLogger(__name__)
 
 MAX_POLICIES = 4096  # sessions whose acceptance estimates a coordinator remembers (LRU)
 PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (per observed round)
 PRIOR_WEIGHT = 3.0   # a new session starts from that α worth this many trials
 LOOKUP_BRANCHES = 3  # a tree round grafts on what followed up to this many earlier occurrences
+MAX_DRAFT_MODELS = 8  # draft models (fingerprints) whose estimates a coordinator keeps (LRU)
 
 
 class FixedCosts(CostModel):
@@ -123,6 +127,7 @@ class RequestSpeculation:
         self.load = 1  # generations sharing the target (set by the round loop before each plan)
         self.tree_nodes = tree_nodes if tree_nodes > 1 else 0  # every draft round a tree of this many nodes
         self.max_tree_nodes = 0 if self.tree_nodes else max_tree_nodes  # or the policy's, up to this many
+        self.draft_model = policy.draft_model  # the draft model (fingerprint) its estimates are of
 
     @property
     def uses_draft(self) -> bool:
@@ -210,58 +215,152 @@ class RequestSpeculation:
             self.order_priors.setdefault(order, AcceptanceEstimate(PRIOR_DECAY)).observe(own, own_accepted)
 
 
+@dataclass
+class DraftEstimates:
+    """What the coordinator learnt of one draft model (one fingerprint) over all sessions."""
+
+    costs: CostModel                # its step times; the verify fit is shared with other models'
+    acceptance: AcceptanceEstimate  # its α: a new session starts from it
+    branch: AcceptanceEstimate      # trees: b, an alternative's acceptance
+    probe_clock: ProbeClock         # when it is probed next, over the sessions seeded from its α
+
+
 class Speculation:
-    """One per coordinator: the shared round costs and the sessions' policies."""
+    """One per coordinator: the shared round costs and the sessions' policies.
+
+    The draft's estimates (α, b, its step costs, its probe clock) belong to a draft model, so
+    they are kept per model fingerprint (`DraftEstimates`, the most recent MAX_DRAFT_MODELS): a
+    request runs on those of the model its draft replica serves, and a session whose replica
+    serves another model than the one its policy learnt on forgets what it learnt of the draft.
+    A distilled draft rolled out is judged on its own rounds, never on its predecessor's, and
+    while old and new replicas both serve (a rolling update) neither's estimates are reset by the
+    other's. `priors`, `branch`, `draft_probe_clock` and `costs` are the newest model's."""
 
     def __init__(self, max_gamma: int, default_gamma: int, cost_ratio: float = 0.0, max_sessions: int = MAX_POLICIES, draft_hints: bool = True,
-                 min_confidence: float = 0.0, trees: Trees = Trees.OFF) -> None:
+                 min_confidence: float = 0.0, trees: Trees = Trees.OFF, draft_model: str = "") -> None:
         if cost_ratio < 0:
             raise ValueError(f"draft cost ratio must be >= 0 (0 = measure), got {cost_ratio}")
         if not 0.0 <= min_confidence < 1.0:
             raise ValueError(f"draft min confidence must be in [0, 1) (0 = off), got {min_confidence}")
         self.config = PolicyConfig(max_gamma=max_gamma, default_gamma=max(1, min(default_gamma, max_gamma)),
                                    probe_gamma=max(1, min(2, max_gamma)))
-        self.costs = FixedCosts(cost_ratio) if cost_ratio > 0 else CostModel(
+        costs = FixedCosts(cost_ratio) if cost_ratio > 0 else CostModel(
             self.config.timing_decay, self.config.default_cost_ratio)
         self.max_sessions, self.draft_hints, self.min_confidence = max_sessions, draft_hints, min_confidence
         self._policies: OrderedDict[str, SessionPolicy] = OrderedDict()
-        # α per source over all sessions: a new session starts from it instead of warming up
-        self.priors = {source: AcceptanceEstimate(PRIOR_DECAY) for source in SOURCES}
+        # prompt lookup's α over all sessions: a new session starts from it instead of warming up
+        self.lookup_prior = AcceptanceEstimate(PRIOR_DECAY)
         self.order_priors: dict[int, AcceptanceEstimate] = {}  # prompt lookup's, per match length
-        # when the draft is probed next, over the sessions that start from its coordinator-wide α
-        self.draft_probe_clock = ProbeClock(self.config.probe_interval)
         self.trees = Trees(trees)  # --trees: whether adaptive draft rounds may propose trees
-        # b over all sessions (an alternative's acceptance where the spine was rejected): the pair's
-        self.branch = AcceptanceEstimate(PRIOR_DECAY)
+        self.draft_model = draft_model  # the newest draft model seen (its fingerprint)
+        self._drafts: OrderedDict[str, DraftEstimates] = OrderedDict(
+            [(draft_model, self._fresh(costs))])
 
-    def policy(self, session_id: str) -> SessionPolicy:
+    def _fresh(self, costs: CostModel) -> DraftEstimates:
+        return DraftEstimates(costs, AcceptanceEstimate(PRIOR_DECAY), AcceptanceEstimate(PRIOR_DECAY),
+                              ProbeClock(self.config.probe_interval))
+
+    # the newest draft model's estimates
+    @property
+    def current(self) -> DraftEstimates:
+        return self._drafts[self.draft_model]
+
+    @property
+    def costs(self) -> CostModel:
+        return self.current.costs
+
+    @costs.setter
+    def costs(self, costs: CostModel) -> None:
+        self.current.costs = costs
+
+    @property
+    def priors(self) -> dict[Proposer, AcceptanceEstimate]:
+        """α per source over all sessions (the draft's: of the newest draft model)."""
+        return {Proposer.DRAFT: self.current.acceptance, Proposer.PROMPT_LOOKUP: self.lookup_prior}
+
+    @property
+    def branch(self) -> AcceptanceEstimate:
+        return self.current.branch
+
+    @property
+    def draft_probe_clock(self) -> ProbeClock:
+        return self.current.probe_clock
+
+    def estimates(self, draft_model: str | None = None) -> DraftEstimates:
+        """The estimates of a draft model (None: the newest), fresh ones for a model not seen:
+        its step costs measured anew beside the shared verify fit."""
+        key = self.draft_model if draft_model is None else draft_model
+        found = self._drafts.get(key)
+        if found is None:
+            log.info("draft model %s: its acceptance and step costs are learnt anew (the other "
+                     "models' are kept apart)", key or "-")
+            found = self._drafts[key] = self._fresh(self.current.costs.for_another_draft())
+            self.draft_model = key
+            while len(self._drafts) > MAX_DRAFT_MODELS:
+                self._drafts.popitem(last=False)
+        self._drafts.move_to_end(key)
+        return found
+
+    def _seed(self, policy: SessionPolicy, estimates: DraftEstimates, draft_only: bool = False) -> None:
+        """Start the session's sources from the coordinator-wide α of those that have warmed up."""
+        priors = [(Proposer.DRAFT, estimates.acceptance)] + ([] if draft_only else [
+            (Proposer.PROMPT_LOOKUP, self.lookup_prior)])
+        for source, prior in priors:
+            if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
+                policy.seed(source, prior.alpha, PRIOR_WEIGHT)
+
+    def policy(self, session_id: str, draft_model: str | None = None) -> SessionPolicy:
         """The session's policy (a fresh one for a session not seen, or forgotten; it starts from
-        the coordinator-wide α of the sources that have one)."""
+        the coordinator-wide α of the sources that have one), its draft estimates those of
+        `draft_model` (None: the newest model)."""
+        estimates = self.estimates(draft_model)
+        key = self.draft_model if draft_model is None else draft_model
         policy = self._policies.get(session_id)
         if policy is None:
             policy = self._policies[session_id] = SessionPolicy(
-                self.config, self.costs, self.priors[Proposer.DRAFT], self.draft_probe_clock, self.branch,
-                self.priors[Proposer.PROMPT_LOOKUP], self.order_priors)
-            for source, prior in self.priors.items():
-                if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
-                    policy.seed(source, prior.alpha, PRIOR_WEIGHT)
+                self.config, estimates.costs, estimates.acceptance, estimates.probe_clock, estimates.branch,
+                self.lookup_prior, self.order_priors, draft_model=key)
+            self._seed(policy, estimates)
             while len(self._policies) > self.max_sessions:
                 self._policies.popitem(last=False)
+        elif policy.draft_model != key:
+            self._switch(policy, key, estimates)
         self._policies.move_to_end(session_id)
         return policy
+
+    def _switch(self, policy: SessionPolicy, key: str, estimates: DraftEstimates) -> None:
+        policy.use_draft(key, estimates.costs, estimates.acceptance, estimates.probe_clock, estimates.branch)
+        self._seed(policy, estimates, draft_only=True)
+
+    def use_draft_model(self, spec: RequestSpeculation, draft_model: str) -> None:
+        """The request's draft replica serves `draft_model` now: from the next round the request
+        plans with that model's estimates (the session forgets what it learnt of another)."""
+        if draft_model == spec.draft_model:
+            return
+        estimates = self.estimates(draft_model)
+        if spec.policy.draft_model != draft_model:
+            self._switch(spec.policy, draft_model, estimates)
+        spec.priors = {**spec.priors, Proposer.DRAFT: estimates.acceptance}
+        spec.draft_model = draft_model
 
     def forget(self, session_id: str) -> None:
         self._policies.pop(session_id, None)
 
     def start(self, session_id: str, mode: Proposer, fixed_gamma: int | None, tree_nodes: int = 0,
-              pair_grows_trees: bool = False) -> RequestSpeculation:
+              pair_grows_trees: bool = False, draft_model: str | None = None) -> RequestSpeculation:
         """A request's planner. tree_nodes: the request's (0 unset, 1 chains, 2+ a tree of that
         many nodes every draft round); pair_grows_trees: the draft grows trees and the target
-        verifies them (else every round is a chain)."""
+        verifies them (else every round is a chain); draft_model: the fingerprint of the model
+        its draft replica serves (None: the newest seen)."""
         budget = auto_tree_budget(self.trees, tree_nodes, fixed_gamma, pair_grows_trees, self.config.max_gamma)
-        return RequestSpeculation(self.policy(session_id), mode, fixed_gamma, self.priors,
+        policy = self.policy(session_id, draft_model)
+        spec = RequestSpeculation(policy, mode, fixed_gamma,
+                                  {Proposer.DRAFT: self.estimates(policy.draft_model).acceptance,
+                                   Proposer.PROMPT_LOOKUP: self.lookup_prior},
                                   self.draft_hints, self.order_priors, self.min_confidence,
                                   tree_nodes if pair_grows_trees else 0, budget)
+        spec.draft_model = policy.draft_model
+        return spec
 
 
 def _fmt(value: float | None) -> str:

@@ -90,6 +90,7 @@ class DraftClient(ServiceClient):
                  transport: str = RpcTransport.STREAM):
         super().__init__(address, timeout_s, max_message_bytes, credentials, server_name, transport)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.answered = False  # a Propose came back: the replica's first (cold) call is behind it
         self.propose_stream = self._call_stream(lambda: self.stub.ProposeStream(wait_for_ready=False),
                                                 draft_pb2.ProposeStreamRequest)
 
@@ -115,6 +116,7 @@ class DraftClient(ServiceClient):
         )
         response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False,
                                    stream=self.propose_stream)
+        self.answered = True
         return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
                         response.cached_len, response.num_hint_tokens_kept, response.restored_tokens,
                         tuple(response.draft_parents))

@@ -6,7 +6,9 @@ check (the same vocabulary as the target; an incompatible replica is refused and
 A session is pinned to one replica per tier by rendezvous (highest-random-weight) hashing of
 its id over the usable replicas: a replica that leaves or fails moves only its own sessions,
 one that joins takes only the sessions that now hash to it. A failed replica is skipped until
-a background health check says it answers again (and, for drafts, at least --draft-retry-s).
+a background health check says it answers again (and, for drafts, at least --draft-retry-s). A
+replica whose call timed out is health-checked at once and counts as failed only when it does
+not answer (a slow model is not a dead one).
 
 `Routes` holds both pools, feeds them from a discovery, and keeps a session record's
 placement per tier (the replica's address, the tokens it holds) honest: a session that lands on another replica than the one
@@ -39,8 +41,19 @@ PROBING, READY, FAILED, REFUSED = "probing", "ready", "failed", "refused"
 PROBE_INTERVAL_S = 0.25  # how often replicas that are not ready are health-checked
 PROBE_TIMEOUT_S = 2.0
 REFUSED_RECHECK_S = 10.0  # a refused replica is checked again this often (it may be redeployed)
+INFO_REFRESH_S = 10.0  # a ready replica's model info is read again this often (restarted behind the
+#                        same address, it may serve another model)
 
 Check = Callable[[ModelDescription], None]  # raises (naming the difference) when incompatible
+
+
+def model_fingerprint(info: ModelDescription) -> str:
+    """The model a replica serves, as its model info names it (id, dtype, device, output size):
+    what the coordinator's estimates of a model are kept by. A new checkpoint rolled out under a
+    new path (or hub id) is another model; one written over the old path is not (give each
+    checkpoint its own path, docs/models.md#rolling-out-a-distilled-draft)."""
+    identity = "\x00".join((info.model_id, info.dtype, info.device, str(info.vocab_size)))
+    return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
 
 
 def weight(key: str, address: str) -> int:
@@ -66,6 +79,7 @@ class Replica:
     answered_at: float = 0.0  # when its model info first came back
     error: Exception | None = None  # why it was refused
     next_probe: float = 0.0  # monotonic time of its next health check
+    next_refresh: float = 0.0  # monotonic time its model info is read again while it is ready
     probing: bool = False
     last_error: str = ""  # why its last health check failed (start-up errors quote it)
 
@@ -123,6 +137,11 @@ class ReplicaPool:
         ready = self.ready()
         return self._replicas[rank(key, ready)[0]].client if ready else None
 
+    def model_of(self, address: str) -> str | None:
+        """The fingerprint of the model the replica at `address` serves (None: not known)."""
+        replica = self._replicas.get(address)
+        return model_fingerprint(replica.info) if replica is not None and replica.info is not None else None
+
     def ready_client(self, address: str) -> ServiceClient | None:
         replica = self._replicas.get(address)
         return replica.client if replica is not None and replica.state == READY else None
@@ -138,6 +157,28 @@ class ReplicaPool:
                     "health checks again", self.kind, address)
         self._changed.set()
         self._wake.set()
+
+    def suspect(self, address: str) -> None:
+        """A call to address timed out: its model may only be slow (it stays in use) or its
+        process hung. A health check now tells them apart (the services answer it while their
+        model works): a replica that does not answer it is marked failed."""
+        replica = self._replicas.get(address)
+        if replica is None or replica.state != READY or replica.probing:
+            return
+        replica.probing = True
+        self._spawn(self._check_alive(replica))
+
+    async def _check_alive(self, replica: Replica) -> None:
+        try:
+            health = health_pb2_grpc.HealthStub(replica.client.channel)
+            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
+            alive = response.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            alive = False
+        finally:
+            replica.probing = False
+        if not alive and self._replicas.get(replica.address) is replica:
+            self.mark_failed(replica.address)
 
     def describe(self) -> str:
         parts = [f"{address} {r.state}" + (f" ({r.error})" if r.error else "")
@@ -203,6 +244,7 @@ class ReplicaPool:
         log.info("%s replica %s %s (%s)", self.kind, replica.address,
                  "answers again" if replica.state == FAILED else "joined", replica.info.model_id)
         replica.state, replica.error = READY, None
+        replica.next_refresh = time.monotonic() + INFO_REFRESH_S
 
     # ---- health checks ------------------------------------------------------------------------
 
@@ -214,9 +256,14 @@ class ReplicaPool:
             self._wake.clear()
             now = time.monotonic()
             for replica in list(self._replicas.values()):
-                if replica.state != READY and not replica.probing and replica.next_probe <= now:
+                if replica.probing:
+                    continue
+                if replica.state != READY and replica.next_probe <= now:
                     replica.probing = True
                     self._spawn(self._probe(replica))
+                elif replica.state == READY and replica.next_refresh <= now:
+                    replica.probing = True
+                    self._spawn(self._refresh(replica))
             try:
                 await asyncio.wait_for(self._wake.wait(), self.probe_interval_s)
             except asyncio.TimeoutError:
@@ -242,6 +289,29 @@ class ReplicaPool:
         replica.last_error = ""
         replica.info = info
         replica.answered_at = replica.answered_at or time.monotonic()
+        self._evaluate(replica)
+
+    async def _refresh(self, replica: Replica) -> None:
+        """Read a ready replica's model info again (cheaply: no tokenizer fingerprint asked for);
+        one that serves another model now is checked as a joining replica is."""
+        size = self.fingerprint_vocab_size
+        try:
+            info = await replica.client.info(self.probe_timeout_s, wait_for_ready=False)
+            changed = model_fingerprint(info) != model_fingerprint(replica.info)
+            if changed:
+                info = await replica.client.info(self.probe_timeout_s, fingerprint_vocab_size=size)
+        except (grpc.aio.AioRpcError, SpecdecError) as exc:
+            log.debug("%s replica %s: its model info did not come (%s)", self.kind, replica.address, exc)
+            return  # its calls tell whether it is down
+        finally:
+            replica.probing = False
+            replica.next_refresh = time.monotonic() + INFO_REFRESH_S
+        if (not changed or self._replicas.get(replica.address) is not replica or replica.state != READY
+                or size != self.fingerprint_vocab_size):
+            return
+        log.info("%s replica %s serves %s now (was %s)", self.kind, replica.address, info.model_id,
+                 replica.info.model_id)
+        replica.info = info
         self._evaluate(replica)
 
     def _spawn(self, coro: Awaitable) -> None:
@@ -309,6 +379,10 @@ class Routes:
 
     def failed(self, tier: Tier, address: str) -> None:
         self.pools[tier].mark_failed(address)
+
+    def suspect(self, tier: Tier, address: str) -> None:
+        """A call to address timed out: checked at once, marked failed only if it is not alive."""
+        self.pools[tier].suspect(address)
 
     async def release(self, record: SessionRecord) -> None:
         """Free the session's KV caches on the replicas that hold them (best effort)."""

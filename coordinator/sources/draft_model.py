@@ -3,7 +3,8 @@
 A draft round sends prompt lookup's tokens as hints under adaptive `auto` (the draft keeps the
 leading ones it agrees with at no extra step) and, under adaptive γ, `min_confidence` (the draft
 stops after a token it was unsure of, so γ is a ceiling). A draft that fails or is too slow makes
-the round target-only and its replica is skipped for a while. Alongside the verification the
+the round target-only: a failing replica is skipped for a while, a slow one (its call timed out)
+is tried again by the request a few rounds later (rounds.DraftBackoff). Alongside the verification the
 draft works on: a draft round's call made ahead for the next round (draft_ahead.py, when the
 trial in draft_ahead_trial.py says it pays), or, on the first round of a request that does not
 use the draft, the prompt it lacks, so a later draft round needs no long catch-up.
@@ -17,7 +18,7 @@ import time
 from typing import Callable
 
 from specdec.config import CoordinatorConfig
-from specdec.errors import InvalidArgument, ResourceExhausted, ServiceFault, Unavailable
+from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceFault, Unavailable
 from specdec.types import DraftAhead, ModelDescription, Proposer, SamplingParams, Verdict
 
 from coordinator.session_calls import SessionCalls
@@ -61,10 +62,10 @@ class DraftModel(ProposalSource):
         try:  # a tree's plan carries no hints and no early stop (they go with chains)
             proposal = await self.calls.propose(run, plan.gamma, rnd.params, rnd.seeds.draft, plan.tokens,
                                                 plan.min_confidence, plan.tree_nodes)
+            run.draft_backoff.answered()
         except DRAFT_FAILURES as exc:
-            self.routes.failed(Tier.DRAFT, record.draft.address)  # its sessions move
             stats.fallback_rounds += 1
-            log.warning("draft failed (%s); target-only round", exc)
+            self._failed(run, exc, "target-only round")
         seconds = time.perf_counter() - t0
         stats.draft_seconds += seconds
         if proposal is None or not proposal.draft_tokens:
@@ -156,11 +157,26 @@ class DraftModel(ProposalSource):
         """True when the draft now holds the history (its one proposal is dropped)."""
         try:
             await self.calls.propose(run, 1, params, seed)
+            run.draft_backoff.answered()
             return True
         except DRAFT_FAILURES as exc:
-            self.routes.failed(Tier.DRAFT, run.record.draft.address)  # its sessions move
-            log.warning("draft failed (%s) catching up on the history; the round goes on without it", exc)
+            self._failed(run, exc, "catching up on the history; the round goes on without it")
             return False
+
+    def _failed(self, run: RequestRun, exc: Exception, consequence: str) -> None:
+        """A draft call of this request failed. Timed out: the replica may only be slow, so the
+        request backs off the draft for a few rounds (DraftBackoff) and the replica stays in use
+        unless a health check finds it hung. Else (unreachable, refused, broken): the replica is
+        skipped until it answers health checks again, and its sessions move."""
+        address = run.record.draft.address
+        if isinstance(exc, DeadlineExceeded):
+            skipped = run.draft_backoff.timed_out(run.stats.rounds)
+            self.routes.suspect(Tier.DRAFT, address)
+            log.warning("draft call timed out (%s); %s; the draft is tried again after %d round%s",
+                        exc, consequence, skipped, "s" * (skipped > 1))
+            return
+        self.routes.failed(Tier.DRAFT, address)
+        log.warning("draft failed (%s); %s", exc, consequence)
 
 
 class _Prefetch:

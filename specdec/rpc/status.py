@@ -92,7 +92,8 @@ def from_rpc_error(exc: grpc.RpcError, service: str) -> errors.SpecdecError:
         return errors.ResourceExhausted(f"{service}: {detail}")
     if code == grpc.StatusCode.NOT_FOUND:
         return errors.NotFound(f"{service}: {detail}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
-                grpc.StatusCode.CANCELLED):
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineExceeded(f"{service} is unavailable ({code.name}): {detail}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED):
         return errors.Unavailable(f"{service} is unavailable ({code.name}): {detail}")
     return errors.ServiceFault(f"{service} failed ({code.name}): {detail}")

@@ -60,15 +60,14 @@ class Decisions:
         return out
 
 
-def row_uniforms(generators: Sequence[torch.Generator | None], gammas: Sequence[int], device: torch.device) -> torch.Tensor:
-    """[R, γ_max+1] uniforms: row r's γ_r + 1 drawn from its request's generator and nothing
-    more, so what a row draws does not depend on the rows beside it (greedy rows: None, zeros;
-    padding: zeros)."""
-    width = max(gammas, default=0) + 1
-    out = torch.zeros((len(gammas), width), device=device)
-    for row, (generator, gamma) in enumerate(zip(generators, gammas)):
-        if generator is not None:
-            out[row, :gamma + 1] = torch.rand(gamma + 1, generator=generator, device=device)
+def row_uniforms(generators: Sequence[torch.Generator | None], counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[R, max(counts)] uniforms: row r's counts[r] drawn from its request's generator and
+    nothing more, so what a row draws does not depend on the rows beside it (greedy rows: None,
+    zeros; padding: zeros). A verification row draws γ + 1, a drafting row γ."""
+    out = torch.zeros((len(counts), max(counts, default=0)), device=device)
+    for row, (generator, count) in enumerate(zip(generators, counts)):
+        if generator is not None and count:
+            out[row, :count] = torch.rand(count, generator=generator, device=device)
     return out
 
 

@@ -80,7 +80,7 @@ def chain_batch(rows: Sequence[Forwarded], device: torch.device) -> ChainBatch:
     generators = [None if g else make_generator(call.seed, device) for g, (call, _, _) in zip(greedy, rows)]
     return ChainBatch(p, _upload(drafts, device), _upload(torch.tensor(gammas), device), _upload(q_ids, device),
                       _upload(q_probs, device), _upload(torch.tensor(greedy), device),
-                      row_uniforms(generators, gammas, device))
+                      row_uniforms(generators, [g + 1 for g in gammas], device))
 
 
 def _by_params(rows: Sequence[Forwarded]) -> dict[SamplingParams, list[int]]:

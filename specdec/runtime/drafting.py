@@ -50,7 +50,7 @@ class ProposeCall:
 
 
 @dataclass
-class _Drafting:
+class ChainDraft:
     """A call while it drafts in a batch."""
 
     index: int
@@ -118,7 +118,7 @@ class ModelProposer:
         return ProposeCall(session_id, prefix_len, prefix_hash, new_tokens, gamma, params, seed, tuple(hints),
                            min_confidence, uncommitted, cache_salt, tree_nodes)
 
-    def _check_hints(self, drafting: _Drafting, logits: torch.Tensor) -> None:
+    def _check_hints(self, drafting: ChainDraft, logits: torch.Tensor) -> None:
         """The first step of a call with hints: logits [hints + 1, vocab], row i the draft's
         distribution after the first i hints. Keeps the leading hints the draft agrees with and
         adds its own token after them; the cache then holds the kept hints only."""
@@ -154,7 +154,7 @@ class ModelProposer:
             self.runner.caches.discard(drafting.call.session_id, drafting.entry)
             drafting.stopped = True
 
-    def _draw_all(self, live: Sequence[_Drafting], logits: Sequence[torch.Tensor]) -> None:
+    def _draw_all(self, live: Sequence[ChainDraft], logits: Sequence[torch.Tensor]) -> None:
         """One drafted token for every call: per call its token and the sparse q it was drawn
         from, appended to it. logits: per call [1, vocab]. Calls with the same sampling warp are
         warped together (top-k first: no sort of the vocabulary); each draws with its own generator."""
@@ -183,7 +183,7 @@ class ModelProposer:
         are of distinct sessions; a call's failure is its own result."""
         runner = self.runner
         results: list[Proposal | Exception | None] = [None] * len(calls)
-        live: list[_Drafting] = []
+        live: list[ChainDraft] = []
         rows: list[Row] = []
         started: list[tuple[ProposeCall, SessionCache]] = []
         trees: list[tuple[int, SessionCache, Sequence[int], ProposeCall]] = []  # calls that grow a tree
@@ -198,8 +198,22 @@ class ModelProposer:
             if call.tree_nodes:
                 trees.append((index, entry, feed, call))
                 continue
-            live.append(_Drafting(index, call, entry, make_generator(call.seed, runner.device)))
+            live.append(ChainDraft(index, call, entry, make_generator(call.seed, runner.device)))
             rows.append(Row(call.session_id, entry, [*feed, *call.hints], 1 + len(call.hints)))
+        self.draft_chains(live, rows, results)
+        if trees:
+            grow_trees(runner, trees, results)
+        for call, entry in started:  # its history is committed; a call made ahead's last ones are not
+            runner.keep_committed(entry, call.prefix_len + len(call.new_tokens) - call.uncommitted, call.cache_salt)
+        runner.finish([call.session_id for call in calls])
+        return results
+
+    def draft_chains(self, live: list[ChainDraft], rows: list[Row], results: list) -> None:
+        """The chains' drafting: ONE forward of every call's new tokens (and hints), then one
+        forward per step for every call still drafting (a call leaves when it has its γ tokens);
+        each call's Proposal, or its error, goes to results[its index]. An engine with a
+        better loop overrides this (the graph engine's on the device, device_drafting.py)."""
+        runner = self.runner
         while live:
             try:
                 logits = runner.forward_batch(rows)  # per row [keep_logits, vocab]
@@ -219,22 +233,19 @@ class ModelProposer:
                 for drafting in live:
                     results[drafting.index] = exc
                 break
-            still: list[_Drafting] = []
+            still: list[ChainDraft] = []
             for drafting in live:
                 if not drafting.done:
                     still.append(drafting)
                 else:
-                    results[drafting.index] = Proposal(drafting.tokens, drafting.dists, len(drafting.entry),
-                                                       drafting.hints_kept,
-                                                       runner.take_restored(drafting.call.session_id))
+                    results[drafting.index] = self.proposal(drafting)
             live = still
             rows = [Row(d.call.session_id, d.entry, d.tokens[-1:], 1) for d in live]
-        if trees:
-            grow_trees(runner, trees, results)
-        for call, entry in started:  # its history is committed; a call made ahead's last ones are not
-            runner.keep_committed(entry, call.prefix_len + len(call.new_tokens) - call.uncommitted, call.cache_salt)
-        runner.finish([call.session_id for call in calls])
-        return results
+
+    def proposal(self, drafting: ChainDraft) -> Proposal:
+        """A call's answer once it has drafted."""
+        return Proposal(drafting.tokens, drafting.dists, len(drafting.entry), drafting.hints_kept,
+                        self.runner.take_restored(drafting.call.session_id))
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)

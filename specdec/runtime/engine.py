@@ -7,7 +7,8 @@ SERVING, and hand their calls to the engine's `drafting` (the draft's k-step loo
 `verification` (forward plus acceptance). Those two are where the per-round work lives, so
 each engine does it its own way: `SessionEngine` gives every engine the host loops of
 drafting.py and verification.py, and an engine overrides them where it has better (the graph
-engine decides a batch's acceptance on the device, device_verification.py).
+engine drafts a batch's chains and decides its acceptance on the device, device_drafting.py and
+device_verification.py).
 
 The parts of the contract:
 - load and warm up: the constructor loads; `warm_up()` runs every path a first call would take

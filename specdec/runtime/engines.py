@@ -57,10 +57,22 @@ def resolve_backend(backend: str, model: str, llama_cpp_available: bool | None =
     return backend
 
 
+def check_memory_fraction(fraction: float, backend: Backend, device: str) -> None:
+    """ModelLoadError for a --kv-cache-memory-fraction this engine and device cannot take."""
+    if not fraction:
+        return
+    if not 0 < fraction <= 1:  # (NaN fails too)
+        raise ModelLoadError(f"--kv-cache-memory-fraction must be in (0, 1] (0 = off), got {fraction}")
+    if backend != Backend.GRAPH or not device.startswith("cuda"):
+        raise ModelLoadError(f"--kv-cache-memory-fraction sizes the graph backend's pool on a CUDA device; "
+                             f"this service runs --backend {backend} on {device}: give --kv-cache-bytes instead")
+
+
 def runner_from_config(config) -> SessionRunner:
     """Load the model of a ModelServiceConfig on its engine, with its cache bounds."""
     backend = resolve_backend(config.backend, config.model, device=config.device,
                               quantize=getattr(config, "quantize", Quantization.NONE))
+    check_memory_fraction(config.kv_cache_memory_fraction, backend, config.device)
     if backend == Backend.LLAMA_CPP:
         from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
 

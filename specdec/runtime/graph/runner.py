@@ -2,7 +2,8 @@
 
 What this module decides:
 - A session's K/V is its block table in one PagedKV pool, allocated at start from the memory
-  budget (--kv-cache-bytes, at most what --max-sessions sessions of the full context take).
+  budget (--kv-cache-bytes, or --kv-cache-memory-fraction of the GPU's free memory once the
+  model is loaded; at most what --max-sessions sessions of the full context take).
   Its SessionCache holds a `PagedBlocks`, whose pool id is its own (not the session id: a
   session re-created while its old cache is still referenced gets a new id).
 - Rollback (`crop`) is a length edit; keeping a tree's accepted path moves those nodes' rows
@@ -33,10 +34,13 @@ from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.graph.batch import RowInput
 from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
+from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs
 from specdec.runtime.graph.model import GraphModel
-from specdec.runtime.graph.paged_kv import PagedKV, blocks_for
+from specdec.runtime.graph.paged_kv import PagedKV, blocks_for, budget_bytes
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
+from specdec.runtime.batched_proposal import RowWarps
+from specdec.runtime.device_drafting import DeviceDrafting
 from specdec.runtime.device_verification import DeviceVerifier
 from specdec.runtime.engine import SessionEngine
 from specdec.runtime.session_runner import Row
@@ -82,10 +86,11 @@ def pool_budget(kv_cache_bytes: int, max_sessions: int, context: int, bytes_per_
 class PagedSessionRunner(SessionEngine):
     """One Llama / Qwen2 / Mistral model on the graph engine, many sessions in one paged pool."""
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int, max_speculative_tokens: int,
+    def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int | float, max_speculative_tokens: int,
                  prefill_chunk: int = 512, block_size: int = 16, buckets: Buckets | None = None,
                  capture: bool | None = None):
-        """capture: capture CUDA graphs at start (default: on a CUDA device)."""
+        """kv_cache_bytes: the pool's budget in bytes, or a float in (0, 1]: that fraction of the
+        device's free memory (CUDA only); capture: CUDA graphs at start (default: on CUDA)."""
         hf = loaded.model
         self.hf_config = hf.config  # what the K/V tier keys chunks with
         context = max_context_length(hf, loaded.tokenizer)
@@ -95,9 +100,12 @@ class PagedSessionRunner(SessionEngine):
         self.tokenizer = loaded.tokenizer
         self.kv_spec = self.model.pool_spec(block_size)
         context = min(context, self.model.arch.max_context)
-        budget = pool_budget(kv_cache_bytes, max_sessions, context, self.kv_spec.bytes_per_token)
+        budget = pool_budget(budget_bytes(kv_cache_bytes, self.device), max_sessions, context,
+                             self.kv_spec.bytes_per_token)
         self.kv = PagedKV(self.kv_spec, blocks_for(self.kv_spec, budget))
         self.graph = GraphRunner(self.model, self.kv, buckets, capture)
+        self.max_speculative_tokens = max_speculative_tokens
+        self.draft_loop: DraftLoop | None = None  # made by drafting(): only a draft service drafts
         self.caches = SessionCaches(max_sessions, self.kv.capacity_tokens * self.kv_spec.bytes_per_token)
         self.closed: collections.deque[str] = collections.deque()  # pool ids of dropped sessions
         self._ids = itertools.count()
@@ -128,8 +136,9 @@ class PagedSessionRunner(SessionEngine):
         return self.graph.capture()
 
     def warm_up(self) -> None:
-        """Capture the CUDA graphs (on CUDA; nothing on a CPU), then the engines' common warm-up."""
-        captured = self.capture()
+        """Capture the CUDA graphs (on CUDA; nothing on a CPU) — the draft loop's too once
+        drafting() made it — then the engines' common warm-up."""
+        captured = self.capture() + (self.draft_loop.capture() if self.draft_loop is not None else 0)
         if captured:
             log.info("%s: %d CUDA graphs captured", self.description.model_id, captured)
         super().warm_up()
@@ -137,6 +146,43 @@ class PagedSessionRunner(SessionEngine):
     def verification(self) -> DeviceVerifier:
         """Chains decided together on the device, one host read per batch."""
         return DeviceVerifier(self)
+
+    def drafting(self, proposal_top_k: int) -> DeviceDrafting:
+        """Chains drafted by the device loop (graph/draft_loop.py), one host read per batch;
+        its graphs are captured by warm_up (call this first)."""
+        buckets = self.graph.buckets
+        steps = tuple(s for s in DRAFT_STEPS if s <= self.max_speculative_tokens)
+        self.draft_loop = DraftLoop(self.model, self.kv, proposal_top_k, buckets.rows, steps, buckets.blocks,
+                                    self.graph.capture_enabled)
+        return DeviceDrafting(self, proposal_top_k)
+
+    def draft_steps(self, sessions: Sequence[tuple[str, SessionCache]], first_logits: torch.Tensor, steps: int,
+                    warps: RowWarps, uniforms: torch.Tensor) -> LoopOutputs:
+        """Draw `steps` drafts for each session after its first forward, on the device:
+        first_logits [R, vocab] and uniforms [R, steps] there, warps on the host. Each session's
+        pool then holds its steps − 1 drafts run; `keep_drafts` keeps the ones wanted.
+        RESOURCE_EXHAUSTED, nothing appended, when the pool cannot hold them."""
+        assert self.draft_loop is not None, "drafting() makes the draft loop"
+        self._make_room([Row(session_id, entry, [0] * (steps - 1), 1) for session_id, entry in sessions])
+        pool_ids = [entry.kv.pool_id for _, entry in sessions]
+        positions = [self.kv.length(pool_id) for pool_id in pool_ids]
+        self.kv.reserve({pool_id: steps - 1 for pool_id in pool_ids})  # all or nothing
+        slots = [self.kv.append(pool_id, steps - 1) for pool_id in pool_ids]
+        self.tokens_run += len(pool_ids) * (steps - 1)
+        try:
+            return self.draft_loop.run(first_logits, positions, slots,
+                                       [self.kv.block_table(pool_id) for pool_id in pool_ids], uniforms, warps)
+        except BaseException:
+            for pool_id, length in zip(pool_ids, positions):
+                self.kv.truncate(pool_id, length)
+            raise
+
+    def keep_drafts(self, entry: SessionCache, held: int, drafts: Sequence[int]) -> None:
+        """After draft_steps: the session holds its `held` tokens then `drafts` (the ones run
+        whose K/V it keeps); the pool's extra drafts are dropped."""
+        self.kv.truncate(entry.kv.pool_id, held + len(drafts))
+        entry.append(list(drafts))
+        self.caches.account(entry)
 
     # ---- sessions (model thread, `PagedBlocks.close` aside) -----------------------------------
 
@@ -244,6 +290,7 @@ class PagedSessionRunner(SessionEngine):
 def graph_runner_from_config(config: Any, loaded: LoadedModel) -> PagedSessionRunner:
     """The runner of a ModelServiceConfig on the graph engine (its graphs are captured by warm_up)."""
     rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
-    runner = PagedSessionRunner(loaded, config.max_sessions, config.kv_cache_bytes, config.max_speculative_tokens,
+    memory = config.kv_cache_memory_fraction or config.kv_cache_bytes  # a fraction of free memory, or bytes
+    runner = PagedSessionRunner(loaded, config.max_sessions, memory, config.max_speculative_tokens,
                                 config.prefill_chunk, buckets=Buckets(rows=rows))
     return runner

@@ -1,0 +1,164 @@
+"""`specdec distill` (specdec/distill/): an unrelated tiny draft learns a tiny target, a draft
+equal to the target stays equal, the losses are what they say, a run resumes exactly, LoRA
+merges into a plain checkpoint, and the written draft serves."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.distill.objectives import Loss, TopK, per_position, top_k_of
+from specdec.distill.run import REPORT_FILE, DistillConfig, distill
+from specdec.distill.trainer import Trainer
+from specdec.maths.alignment import acceptance_per_position
+from specdec.types import SamplingParams
+from specdec.v1 import coordinator_pb2
+from specdec_cli import tiny
+from specdec_cli.main import main
+from tests.cluster import Cluster
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models train faster on one thread than on two (no thread team to sync per op), and a
+    busy machine cannot starve a team of one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 12-token target of one layer and an unrelated draft of the same shape (another seed),
+    with prompts files: random word sequences."""
+    root = tmp_path_factory.mktemp("distill")
+    tokenizer = tiny.word_tokenizer(12)
+    target = tiny.build_model(root / "target", tokenizer, "llama", seed=21, layers=1, init_std=0.15)
+    draft = tiny.build_model(root / "draft", tokenizer, "llama", seed=26, layers=1, init_std=0.3)
+    rng = random.Random(0)
+
+    def prompts(name: str, count: int) -> str:
+        lines = [" ".join(f"w{rng.randint(1, 11)}" for _ in range(rng.randint(2, 6))) for _ in range(count)]
+        (root / name).write_text("\n".join(lines) + "\n")
+        return str(root / name)
+    return {"root": root, "target": str(target), "draft": str(draft), "train": prompts("train.txt", 160),
+            "eval": prompts("eval.txt", 24)}
+
+
+def _small(pair, out: Path, **overrides) -> DistillConfig:
+    settings = dict(target=pair["target"], draft=pair["draft"], out=str(out), prompts=pair["train"],
+                    eval_prompts=pair["eval"], steps=150, lr=2e-2, batch_size=8, seq_len=64, max_new_tokens=24,
+                    eval_new_tokens=24, progress=False)
+    return DistillConfig(**{**settings, **overrides})
+
+
+@pytest.mark.e2e
+def test_an_unrelated_draft_learns_the_target_and_serves(pair, tmp_path, capsys):
+    out = tmp_path / "distilled"
+    assert main(["distill", "--target", pair["target"], "--draft", pair["draft"], "--out", str(out),
+                 "--prompts", pair["train"], "--eval-prompts", pair["eval"], "--steps", "150", "--lr", "2e-2",
+                 "--seq-len", "64", "--max-new-tokens", "24", "--eval-new-tokens", "24", "--no-progress"]) == 0
+    report = json.loads((out / REPORT_FILE).read_text())
+    before, after = report["before"]["alpha"], report["after"]["alpha"]
+    assert before["greedy"] < 0.15 and after["greedy"] >= 0.5, report
+    assert after["sampled_t1"] > before["sampled_t1"] + 0.2, report
+    assert report["steps"] == 150 and report["loss_last"] < report["loss_first"]
+    assert not (out / "checkpoint").exists()
+    assert "greedy" in capsys.readouterr().out
+    # served: a greedy γ = 1 round accepts its one draft with the per-position α measured above
+    with Cluster(str(out), pair["target"]) as cluster:
+        prompts = Path(pair["eval"]).read_text().splitlines()
+        accepted = proposed = 0
+        for prompt in prompts:
+            stats = cluster.complete(prompt=prompt, max_new_tokens=24, num_speculative_tokens=1,
+                                     proposer=coordinator_pb2.Proposer.Value("PROPOSER_DRAFT")).stats
+            accepted, proposed = accepted + stats.accepted_tokens, proposed + stats.draft_tokens
+    assert accepted / proposed >= 0.5
+
+
+@pytest.mark.service
+def test_a_draft_equal_to_the_target_stays_there(pair, tmp_path):
+    report = distill(_small(pair, tmp_path / "same", draft=pair["target"], steps=30, eval_prompts="",
+                            held_out=0.1))
+    assert report.before["alpha"] == {"greedy": 1.0, "sampled_t1": 1.0}
+    assert report.after["alpha"]["greedy"] == 1.0 and report.after["alpha"]["sampled_t1"] >= 0.9999
+
+
+@pytest.mark.service
+def test_an_interrupted_run_resumes_where_it_stopped(pair, tmp_path, monkeypatch):
+    """Killed at step 12 of 20, then resumed: the same weights as a run never interrupted (the
+    batches are a function of the step, the optimizer state is in the checkpoint)."""
+    whole = _small(pair, tmp_path / "whole", steps=20, checkpoint_every=4, eval_prompts="", held_out=0.1)
+    distill(whole)
+    interrupted = _small(pair, tmp_path / "resumed", steps=20, checkpoint_every=4, eval_prompts="", held_out=0.1)
+    real_step = Trainer.train_step
+
+    def dies_at_12(self):
+        if self.step == 12:
+            raise KeyboardInterrupt
+        return real_step(self)
+    monkeypatch.setattr(Trainer, "train_step", dies_at_12)
+    with pytest.raises(KeyboardInterrupt):
+        distill(interrupted)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    prepared = tmp_path / "resumed" / "checkpoint" / "prepared.pt"
+    made = prepared.stat().st_mtime_ns
+    report = distill(DistillConfig(**{**interrupted.__dict__, "resume": True, "keep_checkpoint": True}))
+    assert prepared.stat().st_mtime_ns == made  # the target did not run again
+    assert report.steps == 20
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.service
+def test_lora_adapters_are_merged_into_a_plain_checkpoint(pair, tmp_path):
+    pytest.importorskip("peft")
+    report = distill(_small(pair, tmp_path / "lora", lora_rank=4, steps=60, lr=5e-2))
+    files = {p.name for p in (tmp_path / "lora").iterdir()}
+    assert "model.safetensors" in files and not any("adapter" in f for f in files)
+    assert report.after["alpha"]["greedy"] > report.before["alpha"]["greedy"] + 0.2, report.table()
+
+
+@pytest.mark.unit
+def test_one_minus_tv_is_the_acceptance_the_services_compute():
+    """With every id kept (k = vocab), 1 − the TV loss is the sampled α of the acceptance maths."""
+    generator = torch.Generator().manual_seed(0)
+    target, draft = torch.randn(5, 12, generator=generator) * 2, torch.randn(5, 12, generator=generator) * 2
+    tv = per_position(draft, top_k_of(target, 12), Loss.TV)
+    alpha = acceptance_per_position(target, draft, SamplingParams(temperature=1.0), top_k=12)
+    assert torch.allclose(1 - tv, alpha, atol=1e-3)  # the TV loss is smoothed below 1e-4 per id
+
+
+@pytest.mark.unit
+def test_the_losses_on_the_top_k_and_the_rest():
+    target = TopK(torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.3]]))  # the rest holds 0.2
+    q = torch.tensor([[0.25, 0.25, 0.25, 0.25]])
+    kl = per_position(q.log(), target, Loss.KL)
+    expected = 0.5 * torch.log(torch.tensor(0.5 / 0.25)) + 0.3 * torch.log(torch.tensor(0.3 / 0.25)) \
+        + 0.2 * torch.log(torch.tensor(0.2 / 0.5))
+    assert torch.allclose(kl, expected.reshape(1), atol=1e-6)
+    tv = per_position(q.log(), target, Loss.TV)
+    assert torch.allclose(tv, torch.tensor([0.5 * (0.25 + 0.05 + 0.3)]), atol=1e-3)
+    assert float(per_position(torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log(), target, Loss.KL)) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.unit
+def test_the_benchmark_scales_a_short_runs_rates_to_a_full_run():
+    from bench.distill import estimate
+
+    report = {"steps": 10, "seconds": {"train": 50.0, "teacher": 8.0, "alpha_before": 30.0, "alpha_after": 30.0},
+              "config": {"batch_size": 2}, "data": {"windows": 4, "positions": 400, "answer_seconds": 20.0,
+                                                    "answer_tokens": 100, "held_out_seconds": 60.0}}
+    found = estimate(report, full_prompts=50, new_tokens=100, epochs=2.0, prompt_tokens=100)
+    # 10 steps x 2 windows x 100 tokens in 50 s; 100 answer tokens in 20 s; 400 teacher tokens in 8 s
+    assert (found["seconds_per_trained_token"], found["seconds_per_answer_token"],
+            found["seconds_per_teacher_token"]) == (0.025, 0.2, 0.02)
+    hours = found["full_run_hours"]  # 10,000 tokens: trained twice, the target's pass once; 5,000 answered
+    assert (hours["train"], hours["answers"], hours["teacher"], hours["alpha"]) == (0.14, 0.28, 0.06, 0.03)
