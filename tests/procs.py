@@ -41,6 +41,14 @@ class ServiceProcess:
         wait_healthy(self.address, 120, [self.proc])
         return self
 
+    def ensure_running(self) -> "ServiceProcess":
+        """Running and answering: resumed if it was paused, started again if it died."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.start()
+        self.resume()
+        wait_healthy(self.address, 120, [self.proc])
+        return self
+
     def kill(self) -> None:
         """SIGKILL: no goodbye, every KV cache gone."""
         if self.proc and self.proc.poll() is None:

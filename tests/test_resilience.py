@@ -4,6 +4,7 @@ cancelling, caches evicted. Greedy output must equal an uninterrupted run; nothi
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -16,13 +17,27 @@ PROMPT = "def fibonacci(n):"
 LONG = dict(prompt=PROMPT, max_new_tokens=300, num_speculative_tokens=3, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def service_processes(models):
+    """One draft and one target process for the module's process tests, started side by side."""
+    procs = (ServiceProcess("draft", models["llama"]["draft"]), ServiceProcess("target", models["llama"]["target"]))
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(lambda proc: proc.start(), procs))
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 @pytest.fixture
-def services(models):
-    draft = ServiceProcess("draft", models["llama"]["draft"]).start()
-    target = ServiceProcess("target", models["llama"]["target"]).start()
-    yield draft, target
-    draft.stop()
-    target.stop()
+def services(service_processes):
+    """The module's draft and target processes, both running and answering when a test starts
+    (one the test before killed, paused or restarted is brought back); each test makes its own
+    coordinator and sessions."""
+    for proc in service_processes:
+        proc.ensure_running()
+    return service_processes
 
 
 def collect(stream, after_first=None):
