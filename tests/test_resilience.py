@@ -4,14 +4,13 @@ cancelling, caches evicted. Greedy output must equal an uninterrupted run; nothi
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
-from tests.procs import Coordinator, CoordinatorProcess, ServiceProcess
+from tests.procs import Coordinator, CoordinatorProcess, ServiceProcess, start_together
 
 PROMPT = "def fibonacci(n):"
 LONG = dict(prompt=PROMPT, max_new_tokens=300, num_speculative_tokens=3, ignore_eos=True)
@@ -20,14 +19,11 @@ LONG = dict(prompt=PROMPT, max_new_tokens=300, num_speculative_tokens=3, ignore_
 @pytest.fixture(scope="module")
 def service_processes(models):
     """One draft and one target process for the module's process tests, started side by side."""
-    procs = (ServiceProcess("draft", models["llama"]["draft"]), ServiceProcess("target", models["llama"]["target"]))
-    try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            list(pool.map(lambda proc: proc.start(), procs))
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    procs = start_together(ServiceProcess("draft", models["llama"]["draft"]),
+                           ServiceProcess("target", models["llama"]["target"]))
+    yield procs
+    for proc in procs:
+        proc.stop()
 
 
 @pytest.fixture
@@ -79,8 +75,8 @@ def test_a_killed_coordinators_session_continues_on_another_within_seconds(servi
     to retry, then continues the session with every streamed token kept."""
     draft, target = services
     store = ["--session-store", redis_url, "--session-lease-s", "120", "--session-holder-ttl-s", "3"]
-    doomed = CoordinatorProcess(draft.address, target.address, store).start()
-    other = CoordinatorProcess(draft.address, target.address, store).start()
+    doomed, other = start_together(CoordinatorProcess(draft.address, target.address, store),
+                                   CoordinatorProcess(draft.address, target.address, store))
     try:
         streamed, session_id = [], ""
 
