@@ -245,13 +245,15 @@ def run_soak(sessions: int = 32, seconds: float = 120.0, draft_model: str = "", 
                 "--port", str(ports["coordinator"]), "--session-store", redis_url,
                 "--max-concurrent-generations", str(max(64, sessions))]
             pids, logs = {}, {}
-            for name in ("draft", "target", "coordinator"):
-                logs[name] = Path(tmp) / f"{name}.log"
-                with open(logs[name], "wb") as log_file:
-                    proc = subprocess.Popen(commands[name], stdout=subprocess.DEVNULL, stderr=log_file)
-                procs.append(proc)
-                pids[name] = proc.pid
-                wait_healthy(f"127.0.0.1:{ports[name]}", 300, [proc])
+            for names in (("draft", "target"), ("coordinator",)):  # the two models load side by side
+                for name in names:
+                    logs[name] = Path(tmp) / f"{name}.log"
+                    with open(logs[name], "wb") as log_file:
+                        proc = subprocess.Popen(commands[name], stdout=subprocess.DEVNULL, stderr=log_file)
+                    procs.append(proc)
+                    pids[name] = proc.pid
+                for name in names:
+                    wait_healthy(f"127.0.0.1:{ports[name]}", 300, procs)
             address = f"127.0.0.1:{ports['coordinator']}"
             from specdec.tokenizer import load_tokenizer
 

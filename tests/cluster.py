@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Any, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Sequence
 
 import grpc
 
@@ -14,6 +15,10 @@ from draft_service import server as draft_server
 from specdec.config import CoordinatorConfig, DraftConfig, TargetConfig
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from target_service import server as target_server
+
+# concurrent requests of a statistical test (Cluster.complete_each): the services batch them, as
+# in production, and the run takes a fraction of the time one request after another would
+SAMPLING_WORKERS = 16
 
 
 class LoopThread:
@@ -87,6 +92,11 @@ class Cluster:
     def complete(self, **fields: Any) -> coordinator_pb2.CompleteResponse:
         request = coordinator_pb2.CompleteRequest(request=generate_request(**fields))
         return self.stub.Complete(request, timeout=120, metadata=self.metadata)
+
+    def complete_each(self, seeds: Iterable[int], **fields: Any) -> list[coordinator_pb2.CompleteResponse]:
+        """complete(seed=seed, **fields) for every seed, SAMPLING_WORKERS at a time; in seed order."""
+        with ThreadPoolExecutor(SAMPLING_WORKERS) as pool:
+            return list(pool.map(lambda seed: self.complete(seed=seed, **fields), seeds))
 
     def stream(self, **fields: Any) -> list[coordinator_pb2.GenerateResponse]:
         return list(self.stub.Generate(generate_request(**fields), timeout=120, metadata=self.metadata))

@@ -12,6 +12,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # hermetic: the tests never see the model pair `specdec models fetch` left on this machine
 os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
+# torch's OpenMP threads sleep between parallel regions instead of spinning (read once, when
+# torch loads: hence before any import of it). The tests' draft, target and client threads share
+# a few cores; spinning workers took the cores from them, and the tiny models gain nothing from
+# spinning: a tiny forward on 2 busy cores took 47 ms spinning, 4 ms sleeping. The number of
+# threads is unchanged, so what the services report about their cores is as before.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from specdec_cli import tiny  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402

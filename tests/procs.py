@@ -6,7 +6,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 
@@ -16,6 +17,22 @@ from specdec.rpc.health import wait_healthy
 from specdec.v1 import coordinator_pb2_grpc
 from tests.cluster import LoopThread, generate_request
 from tests.redis_server import free_port
+
+P = TypeVar("P", bound="ServiceProcess")
+
+
+def start_together(*procs: P) -> tuple[P, ...]:
+    """Start the processes side by side (each imports torch and loads its model while the others
+    do) and wait until every one answers; if one cannot start, all are stopped."""
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            for future in [pool.submit(proc.start) for proc in procs]:
+                future.result()
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs
 
 
 class ServiceProcess:
@@ -38,6 +55,14 @@ class ServiceProcess:
                    "--dtype", self.dtype, "--port", str(self.port), *self.extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        wait_healthy(self.address, 120, [self.proc])
+        return self
+
+    def ensure_running(self) -> "ServiceProcess":
+        """Running and answering: resumed if it was paused, started again if it died."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.start()
+        self.resume()
         wait_healthy(self.address, 120, [self.proc])
         return self
 

@@ -78,7 +78,9 @@ time.sleep(30)
 @pytest.mark.process
 def test_cpu_smoke_run_writes_every_section(tmp_path):
     out = tmp_path / "gpu.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # an empty model cache: the tiny shape and tokenizer, also where `specdec models fetch` left
+    # Qwen2.5's tokenizer (with it the run would take the far larger "small" shape)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--threads", "1",
                            "--port", str(free_port()), "--workdir", str(tmp_path), "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

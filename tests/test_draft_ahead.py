@@ -21,7 +21,7 @@ from coordinator.policy.speculation import FixedCosts
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.cluster import Cluster
-from tests.procs import Coordinator, ServiceProcess
+from tests.procs import Coordinator, ServiceProcess, start_together
 from tests.spies import RequestRecorder
 from tests.test_proposers import IDS_PROMPTS, proposer, target_only
 
@@ -160,8 +160,7 @@ def test_a_draft_killed_mid_stream_with_calls_made_ahead(models):
     every round has one in flight): the rounds fall back to the target alone and the output is
     the same as without the fault."""
     target = models["llama"]["target"]
-    draft = ServiceProcess("draft", target).start()
-    verifier = ServiceProcess("target", target).start()
+    draft, verifier = start_together(ServiceProcess("draft", target), ServiceProcess("target", target))
     coordinator = Coordinator(draft.address, verifier.address, draft_retry_s=0.5, **AHEAD)
     request = dict(prompt="def fibonacci(n):", max_new_tokens=200, num_speculative_tokens=3, ignore_eos=True)
     try:

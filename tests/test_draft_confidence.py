@@ -29,6 +29,7 @@ from tests.test_proposers import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
 
 GAMMA = 8
+BATCH = 16  # seeds whose calls (one with the threshold, one without) share a batched forward
 
 
 def greedy_confidences(model_dir: str, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -93,10 +94,18 @@ def test_sampled_stops_after_a_draw_below_the_threshold_and_keeps_q(draft):
     counts = np.zeros(draft.runner.vocab_size)
     q2: dict[int, float] | None = None
     lengths = set()
-    for seed in range(samples):
-        call = draft.call(f"s{seed}", 0, 0, prompt, 4, params, seed, min_confidence=threshold)
-        full = draft.call(f"f{seed}", 0, 0, prompt, 4, params, seed)
-        result, reference = draft.propose_batch([call, full])
+    pairs = []  # (the call with the threshold's result, the full call's): BATCH seeds per batched forward
+    for start in range(0, samples, BATCH):
+        seeds = range(start, min(start + BATCH, samples))
+        calls = [call for seed in seeds for call in (
+            draft.call(f"s{seed}", 0, 0, prompt, 4, params, seed, min_confidence=threshold),
+            draft.call(f"f{seed}", 0, 0, prompt, 4, params, seed))]
+        results = draft.propose_batch(calls)
+        pairs += zip(results[::2], results[1::2])
+        for seed in seeds:
+            draft.release(f"s{seed}")
+            draft.release(f"f{seed}")
+    for result, reference in pairs:
         sure = [dict(zip(d.token_ids, d.probs))[t] for t, d in zip(result.draft_tokens, result.draft_probs)]
         assert all(p >= threshold for p in sure[:-1])
         assert sure[-1] < threshold or len(result.draft_tokens) == 4
@@ -109,8 +118,6 @@ def test_sampled_stops_after_a_draw_below_the_threshold_and_keeps_q(draft):
             q2 = q2 or dist
             assert dist == pytest.approx(q2)
             counts[result.draft_tokens[1]] += 1
-        draft.release(f"s{seed}")
-        draft.release(f"f{seed}")
     assert len(lengths) > 1
     assert q2 is not None and counts.sum() > 100
     expected = np.array([q2.get(t, 0.0) for t in range(len(counts))]) * counts.sum()

@@ -90,15 +90,19 @@ def test_sampled_hint_positions_are_draws_from_the_reported_q(small_vocab_models
     vocab = runner.vocab_size
     counts, kept = np.zeros(vocab), 0
     samples = 1500
-    for seed in range(samples):
-        call = proposer_.call(f"s{seed}", 0, 0, prompt, 1, params, seed, hints=[hint])
-        result = proposer_.propose_batch([call])[0]
+    results = []
+    for start in range(0, samples, 32):  # 32 seeds' calls in one batched forward, each its own generator
+        seeds = range(start, min(start + 32, samples))
+        results += proposer_.propose_batch([proposer_.call(f"s{seed}", 0, 0, prompt, 1, params, seed, hints=[hint])
+                                            for seed in seeds])
+        for seed in seeds:
+            runner.release(f"s{seed}")
+    for result in results:
         assert dict(zip(result.draft_probs[0].token_ids, result.draft_probs[0].probs)) == pytest.approx(q)
         counts[result.draft_tokens[0]] += 1
         kept += result.hints_kept
         assert result.hints_kept == (result.draft_tokens[0] == hint)
         assert len(result.draft_tokens) == 1 + result.hints_kept
-        runner.release(f"s{seed}")
     expected = np.array([q.get(t, 0.0) for t in range(vocab)]) * samples
     assert counts[expected == 0].sum() == 0
     assert chi2_pvalue(counts[expected > 0], expected[expected > 0]) > 1e-3

@@ -64,16 +64,16 @@ def test_first_two_tokens_follow_target_distribution(small_vocab_models, small_c
 
 def sampled_first_two(cluster, params: SamplingParams, samples: int,
                       **fields) -> tuple[np.ndarray, np.ndarray, int]:
-    """Counts of the first and the second generated token over `samples` seeds, and the drafts
-    the target accepted in all; `fields` go into every request."""
+    """Counts of the first and the second generated token over `samples` seeds (requests made
+    concurrently, so the services batch them), and the drafts the target accepted in all;
+    `fields` go into every request."""
     vocab = cluster.coordinator.round_loop.target_info.vocab_size
     counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
     accepted = 0
-    for seed in range(samples):
-        response = cluster.complete(
-            token_ids=PROMPT_IDS, max_new_tokens=2, num_speculative_tokens=2,
+    for response in cluster.complete_each(
+            range(samples), token_ids=PROMPT_IDS, max_new_tokens=2, num_speculative_tokens=2,
             temperature=params.temperature, top_k=params.top_k or None,
-            top_p=params.top_p if params.top_p < 1 else None, seed=seed, ignore_eos=True, **fields)
+            top_p=params.top_p if params.top_p < 1 else None, ignore_eos=True, **fields):
         first, second = response.token_ids
         counts1[first] += 1
         counts2[second] += 1
@@ -104,11 +104,10 @@ def test_prompt_lookup_samples_follow_target_distribution(small_vocab_models, pa
     counts1, counts2 = np.zeros(vocab), np.zeros(vocab)
     proposed = accepted = 0
     with Cluster(small_vocab_models["draft"], small_vocab_models["target"]) as cluster:
-        for seed in range(SAMPLES):
-            response = cluster.complete(token_ids=REPEATING_IDS, max_new_tokens=3, num_speculative_tokens=2,
-                                        proposer=coordinator_pb2.PROPOSER_NGRAM,
-                                        temperature=params.temperature, top_k=params.top_k or None,
-                                        seed=seed, ignore_eos=True)
+        for response in cluster.complete_each(range(SAMPLES), token_ids=REPEATING_IDS, max_new_tokens=3,
+                                              num_speculative_tokens=2, proposer=coordinator_pb2.PROPOSER_NGRAM,
+                                              temperature=params.temperature, top_k=params.top_k or None,
+                                              ignore_eos=True):
             first, second = response.token_ids[:2]
             counts1[first] += 1
             counts2[second] += 1

@@ -166,13 +166,15 @@ def test_sampled_trees_with_prompt_lookups_branch_follow_the_target_distribution
     p1, p2 = exact_first_two(small_vocab_models["target"], params, REPEATING_IDS)
     counts1, counts2 = np.zeros(len(p1)), np.zeros(len(p1))
     grafted = taken = 0
+    # the requests run concurrently: the load governor, which would switch adaptive requests to
+    # plain decoding while it measures the load, is off, so every round follows the beliefs
     with Cluster(small_vocab_models["draft"], small_vocab_models["target"],
-                 coordinator={"draft_cost_ratio": 0.1}) as cluster:
+                 coordinator={"draft_cost_ratio": 0.1, "load_governor": False}) as cluster:
         believe_draft_and_lookup(cluster)
-        for seed in range(SAMPLES):
-            response = cluster.complete(token_ids=REPEATING_IDS, max_new_tokens=3, tree_nodes=4, seed=seed,
-                                        temperature=params.temperature, top_k=params.top_k or None,
-                                        ignore_eos=True, proposer=coordinator_pb2.PROPOSER_AUTO)
+        for response in cluster.complete_each(range(SAMPLES), token_ids=REPEATING_IDS, max_new_tokens=3,
+                                              tree_nodes=4, temperature=params.temperature,
+                                              top_k=params.top_k or None, ignore_eos=True,
+                                              proposer=coordinator_pb2.PROPOSER_AUTO):
             first, second = response.token_ids[:2]
             counts1[first] += 1
             counts2[second] += 1

@@ -261,11 +261,10 @@ def test_sampled_tokens_follow_the_llama_cpp_target(llama_pair_cluster, runner, 
     samples = 600
     counts1, counts2 = np.zeros(len(p1)), np.zeros(len(p1))
     accepted = 0
-    for seed in range(samples):
-        response = llama_pair_cluster.complete(
-            token_ids=prompt, max_new_tokens=2, num_speculative_tokens=2, proposer=DRAFT,
+    for response in llama_pair_cluster.complete_each(
+            range(samples), token_ids=prompt, max_new_tokens=2, num_speculative_tokens=2, proposer=DRAFT,
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p if params.top_p < 1 else None,
-            seed=seed, ignore_eos=True)
+            ignore_eos=True):
         first, second = response.token_ids
         counts1[first] += 1
         counts2[second] += 1

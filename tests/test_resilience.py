@@ -10,19 +10,30 @@ import pytest
 
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
-from tests.procs import Coordinator, CoordinatorProcess, ServiceProcess
+from tests.procs import Coordinator, CoordinatorProcess, ServiceProcess, start_together
 
 PROMPT = "def fibonacci(n):"
 LONG = dict(prompt=PROMPT, max_new_tokens=300, num_speculative_tokens=3, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def service_processes(models):
+    """One draft and one target process for the module's process tests, started side by side."""
+    procs = start_together(ServiceProcess("draft", models["llama"]["draft"]),
+                           ServiceProcess("target", models["llama"]["target"]))
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
 @pytest.fixture
-def services(models):
-    draft = ServiceProcess("draft", models["llama"]["draft"]).start()
-    target = ServiceProcess("target", models["llama"]["target"]).start()
-    yield draft, target
-    draft.stop()
-    target.stop()
+def services(service_processes):
+    """The module's draft and target processes, both running and answering when a test starts
+    (one the test before killed, paused or restarted is brought back); each test makes its own
+    coordinator and sessions."""
+    for proc in service_processes:
+        proc.ensure_running()
+    return service_processes
 
 
 def collect(stream, after_first=None):
@@ -64,8 +75,8 @@ def test_a_killed_coordinators_session_continues_on_another_within_seconds(servi
     to retry, then continues the session with every streamed token kept."""
     draft, target = services
     store = ["--session-store", redis_url, "--session-lease-s", "120", "--session-holder-ttl-s", "3"]
-    doomed = CoordinatorProcess(draft.address, target.address, store).start()
-    other = CoordinatorProcess(draft.address, target.address, store).start()
+    doomed, other = start_together(CoordinatorProcess(draft.address, target.address, store),
+                                   CoordinatorProcess(draft.address, target.address, store))
     try:
         streamed, session_id = [], ""
 

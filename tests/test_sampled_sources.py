@@ -7,13 +7,15 @@ float64). For a later position k, every request adds its token k to the counts a
 exact P(· | prompt, its own tokens 1..k−1) to the expected counts; a chi-square then compares
 the two. Nothing is selected by which path a round took: a bias of any path shows, and the
 requests where the path under test did not run dilute it only in proportion. Drafting ahead
-gets enough seeds to see the bias of reusing a seed (about 1e-10 at 6,000 seeds on the code
-that reused the next round's draft seed for the call made ahead).
+gets enough seeds to see the bias of reusing a seed, at the temperature where that bias shows
+most: on the code that reused the next round's draft seed for the call made ahead, token 3 is
+off at p = 9e-12, 9e-10, 9e-6 and 4e-8 over four disjoint sets of 3,000 seeds at temperature
+0.3 (at 0.8, 1.4e-10 took 6,000 seeds; at 0.2, 0.4 and 0.5 it shows less than at 0.3, and 2,000
+or 2,400 seeds at 0.3 miss it in one set of five or six).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,9 +35,8 @@ from tests.test_proposers import proposer
 
 pytestmark = pytest.mark.e2e
 
-PARAMS = SamplingParams(temperature=0.8)
+TEMPERATURE = 0.8
 SAMPLES = 600
-WORKERS = 8  # concurrent requests: the services batch them, as they would in production
 MIN_EXPECTED = 5.0  # cells expected fewer times than this are pooled into one (chi-square's rule)
 
 
@@ -51,6 +52,7 @@ class Source:
     draft: str = "draft"                   # "draft" (an unrelated model) or "near" (a near copy)
     samples: int = SAMPLES
     new_tokens: int = 4
+    temperature: float = TEMPERATURE       # the requests' (and so the expected distribution's)
 
 
 # the hybrids' rounds follow pinned beliefs and costs, not the concurrent load (the governor would
@@ -61,7 +63,8 @@ SOURCES = {
     "draft": Source({"proposer": proposer("draft"), "num_speculative_tokens": 2},
                     lambda s: s.draft_rounds),
     "draft-ahead": Source({"proposer": proposer("draft"), "num_speculative_tokens": 1},
-                          lambda s: s.draft_ahead_rounds, coordinator=AHEAD, draft="near", samples=6000),
+                          lambda s: s.draft_ahead_rounds, coordinator=AHEAD, draft="near", samples=3000,
+                          temperature=0.3),
     "tree": Source({"proposer": proposer("draft"), "num_speculative_tokens": 2, "tree_nodes": 4},
                    lambda s: s.tree_rounds),
     "prompt-lookup": Source({"proposer": proposer("ngram"), "num_speculative_tokens": 2},
@@ -101,10 +104,11 @@ def fit_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
     return float(chisquare(cells_counts, cells_expected).pvalue)
 
 
-def assert_pooled_fit(target_dir: str, prompt: tuple[int, ...], generated: list[list[int]], positions: range) -> None:
+def assert_pooled_fit(target_dir: str, params: SamplingParams, prompt: tuple[int, ...], generated: list[list[int]],
+                      positions: range) -> None:
     """Token k of every request against Σ P(· | prompt, that request's tokens before k)."""
     prefixes = {prompt + tuple(tokens[:k]) for tokens in generated for k in positions}
-    exact = exact_next(target_dir, PARAMS, prefixes)
+    exact = exact_next(target_dir, params, prefixes)
     vocab = len(next(iter(exact.values())))
     for k in positions:
         counts, expected = np.zeros(vocab), np.zeros(vocab)
@@ -124,16 +128,12 @@ def test_sampled_tokens_follow_the_target_over_all_requests(small_vocab_models, 
         if source.believe:
             believe_draft_and_lookup(cluster, draft_alpha=source.believe)
 
-        def one(seed: int) -> tuple[list[int], int]:
-            response = cluster.complete(token_ids=list(source.prompt), max_new_tokens=source.new_tokens,
-                                        temperature=PARAMS.temperature, seed=seed, ignore_eos=True,
-                                        **source.fields)
-            return list(response.token_ids), source.ran(response.stats)
-
-        with ThreadPoolExecutor(WORKERS) as pool:
-            results = list(pool.map(one, range(source.samples)))
-    generated = [tokens for tokens, _ in results]
+        responses = cluster.complete_each(range(source.samples), token_ids=list(source.prompt),
+                                          max_new_tokens=source.new_tokens, temperature=source.temperature,
+                                          ignore_eos=True, **source.fields)
+    generated = [list(response.token_ids) for response in responses]
     assert all(len(tokens) == source.new_tokens for tokens in generated)
-    ran = sum(1 for _, count in results if count)
+    ran = sum(1 for response in responses if source.ran(response.stats))
     assert ran >= source.samples // 10, f"{name} ran in {ran} of {source.samples} requests"
-    assert_pooled_fit(target, source.prompt, generated, range(1, source.new_tokens))
+    assert_pooled_fit(target, SamplingParams(temperature=source.temperature), source.prompt, generated,
+                      range(1, source.new_tokens))
