@@ -3,13 +3,14 @@ held-out text before and after training, per objective, and what each stage took
 
 Usage:
   python bench/heads.py --tiny --seeds 3                     # tiny targets: kl, ce and tv, greedy and sampled data
-  python bench/heads.py --loss kl,ce --steps 600             # the fetched real target (bf16), 3 heads
+  python bench/heads.py --loss kl,ce --steps 500             # the fetched real target (bf16), 3 heads
+  python bench/heads.py --loss kl --step-times 3             # ... and seconds a step at several --head-vocab
   python bench/heads.py --target-model DIR --text a.py b.py  # another target, other text
 
 Accuracy of head k at position t: its argmax is the target's greedy token at t + k + 1 (its
 argmax at t + k), over the held-out positions; top-4: that token is among the head's four most
 likely. "Before" is the untrained heads (each predicts what the target's own next-token head
-does). The real run learns on --text (default: a few modules of Python's standard library, code
+does). The real run learns on --text (default: four modules of Python's standard library, code
 the target did not write) and is measured on the target's greedy answers to the quick bench
 prompts (bench/prompts.py), --eval-new-tokens each. The target runs once: every other objective
 resumes from the first run's checkpoint (its target pass). bench/results/heads.json and
@@ -34,8 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.prompts import QUICK  # noqa: E402
 
-STDLIB_TEXT = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py", "graphlib.py", "colorsys.py",
-               "keyword.py", "this.py", "queue.py", "sched.py", "numbers.py")
+STDLIB_TEXT = ("textwrap.py", "shlex.py", "graphlib.py", "bisect.py")  # about 10,200 tokens of Qwen2.5's
 
 
 def tiny_setup(folder: Path, seed: int, answer_temperature: float) -> dict:
@@ -103,6 +103,36 @@ def tiny_runs(args: argparse.Namespace, work: Path) -> int:
     return 0
 
 
+def step_times(first: Path, target: str, args: argparse.Namespace) -> dict:
+    """Seconds per training step (and ids its softmax ran over) at each --step-vocab, on the data
+    of the run in `first` (its kept checkpoint), from untrained heads."""
+    import torch
+
+    from specdec.distill.heads import HeadsData, HeadsTrainer
+    from specdec.distill.objectives import Loss
+    from specdec.distill.run import CHECKPOINT_DIR
+    from specdec.distill.trainer import TrainSettings
+    from specdec.runtime.heads import MedusaHeads
+    from specdec.runtime.loader import load_model
+
+    data = HeadsData.load(first / CHECKPOINT_DIR)
+    layer = load_model(target, args.target_dtype, args.device).model.get_output_embeddings()
+    out = {}
+    for vocab in (int(v) for v in args.step_vocab.split(",")):
+        settings = TrainSettings(steps=args.step_times + 1, batch_size=args.batch_size, lr=1e-3, loss=Loss.KL,
+                                 temperature=1.0)
+        heads = MedusaHeads(args.heads, data.hidden.shape[1], device=args.device)
+        trainer = HeadsTrainer(heads, data, settings, Path(tempfile.mkdtemp()), torch.device(args.device), layer, vocab)
+        trainer.train_step()  # warm-up
+        started = time.perf_counter()
+        for _ in range(args.step_times):
+            trainer.train_step()
+        out[str(vocab)] = {"seconds_per_step": round((time.perf_counter() - started) / args.step_times, 3),
+                           "softmax_ids": round(sum(trainer.softmax_ids[1:]) / args.step_times)}
+        print(f"--head-vocab {vocab}: {out[str(vocab)]}", flush=True)
+    return out
+
+
 def eval_prompts(folder: Path) -> Path:
     path = folder / "held-out.jsonl"
     path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in p.messages]}) + "\n"
@@ -128,6 +158,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--text", nargs="+", default=[], help="training text (default: Python stdlib modules)")
     parser.add_argument("--eval-new-tokens", type=int, default=96)
+    parser.add_argument("--step-times", type=int, default=0, help="then time this many steps at each --step-vocab "
+                                                                   "on the first run's data")
+    parser.add_argument("--step-vocab", default="0,2048,8192,32768", help="--head-vocab values --step-times times")
     parser.add_argument("--heads-out", default="", help="also copy the first objective's heads directory here")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
@@ -168,10 +201,11 @@ def main() -> int:
                         f"{b['top4']:.4f} -> {h['top4']:.4f}"
                         for b, h in zip(report["before"]["heads"], report["after"]["heads"]))
               + f"\n{loss}: seconds {report['seconds']}", flush=True)
+    steps = step_times(first, target, args) if args.step_times and first is not None else {}
     if args.heads_out and first is not None:
         shutil.rmtree(args.heads_out, ignore_errors=True)
         shutil.copytree(first, args.heads_out, ignore=shutil.ignore_patterns(CHECKPOINT_DIR))
-    document = {"target": target, "text": text, "args": vars(args), "runs": runs,
+    document = {"target": target, "text": text, "args": vars(args), "runs": runs, "step_seconds": steps,
                 "wall_seconds": round(time.perf_counter() - started, 1), "threads": os.cpu_count()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.heads < 0:
         raise SystemExit(f"specdec distill: --heads must be >= 1 (or 0 for a draft), got {args.heads}")
     if not heads and not args.draft:
-        raise SystemExit("specdec distill: give --draft (the draft to distil), or --heads K to train heads on the target")
+        raise SystemExit("specdec distill: give --draft (the draft to distil), "
+                         "or --heads K to train heads on the target")
     if args.loss == "ce" and not heads:
         raise SystemExit("specdec distill: --loss ce is for --heads (a draft learns the target's distributions)")
     config = DistillConfig(

@@ -188,7 +188,8 @@ def _cumulative(cut: list[list[int]]) -> list[int]:
 # ---- the loss ----------------------------------------------------------------------------------
 
 
-def candidates(kept: torch.Tensor, vocab: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(kept: torch.Tensor, vocab: int, size: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The ids a step's softmax runs over and each one's log weight in the normaliser, ([C], [C]):
     every id of `kept` (weight 1), then random other ids up to `size` in all, each standing for
     (vocab − kept) / sampled ids. size 0 (or ≥ vocab): the whole vocabulary, all weight 1."""
@@ -268,7 +269,8 @@ class HeadsTrainer(Trainer):
         bias = getattr(output_layer, "bias", None)
         self.bias = bias.detach().to(device, torch.float32) if bias is not None else None
         self.head_vocab = head_vocab
-        self.hidden, self.top = data.hidden.to(device), data.top.to(device)
+        self.hidden = data.hidden.to(device)  # [positions, hidden]
+        self.softmax_ids: list[int] = []  # per step of this process: the ids its softmax ran over
 
     def comparable(self) -> dict:
         return {**super().comparable(), "heads": self.model.num_heads, "head_vocab": self.head_vocab}
@@ -286,6 +288,7 @@ class HeadsTrainer(Trainer):
         kept = torch.cat([t.token if loss_kind == Loss.CE else t.top.ids.flatten() for t in targets])
         generator = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + self.step)
         ids, log_weight = candidates(kept, self.data.vocab, self.head_vocab, generator)
+        self.softmax_ids.append(int(ids.numel()))
         where = torch.zeros(self.data.vocab, dtype=torch.long, device=self.device)
         where[ids] = torch.arange(ids.numel(), device=self.device)
         states = self.model(self.hidden[rows.to(self.device)])  # [heads, rows, hidden]

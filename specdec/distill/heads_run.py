@@ -127,7 +127,7 @@ def distill_heads(config: DistillConfig) -> HeadsReport:
     started = time.perf_counter()
     trainer.run(progress("training", settings.steps, trainer.step))
     seconds = {"load": round(load_seconds, 2), **data.seconds, "train": round(time.perf_counter() - started, 2)}
-    losses = trainer.losses
+    losses, counts = trainer.losses, trainer.softmax_ids
     del trainer
     started = time.perf_counter()
     identity = target_identity(model)
@@ -139,7 +139,8 @@ def distill_heads(config: DistillConfig) -> HeadsReport:
     seconds["accuracy_after"] = round(time.perf_counter() - started, 2)
     report = HeadsReport(config={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
                          data={"positions": data.positions, "held_out_sequences": len(data.held_hidden),
-                               "held_out_positions": data.held_positions, **data.summary},
+                               "held_out_positions": data.held_positions, **data.summary,
+                               "softmax_ids_per_step": round(sum(counts) / len(counts)) if counts else None},
                          before=data.before, after=after, loss_first=_mean(losses[:10]),
                          loss_last=_mean(losses[-10:]), steps=len(losses), seconds=seconds)
     save_heads(out, loaded, replace(meta, report=report.to_json()))
