@@ -175,7 +175,8 @@ def specdec_object(session_id: str, stats: GenerationStats | None = None) -> dic
     if stats is not None:
         out.update(acceptance_rate=stats.acceptance_rate, tokens_per_round=stats.tokens_per_round,
                    draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-                   draft_rounds=stats.draft_rounds, ngram_rounds=stats.ngram_rounds, rounds=stats.rounds)
+                   draft_rounds=stats.draft_rounds, ngram_rounds=stats.ngram_rounds, heads_rounds=stats.heads_rounds,
+                   rounds=stats.rounds)
     return out
 
 
