@@ -32,15 +32,18 @@ def dist(*pairs: tuple[int, float]) -> SparseDist:
 
 # ---- the tree -----------------------------------------------------------------------------------
 
-def test_the_tree_takes_the_best_paths_parents_first_and_the_heads_top_tokens_as_its_spine():
+def test_the_tree_is_the_heads_top_tokens_and_the_best_paths_beside_them_parents_first():
     heads = [dist((5, 0.6), (6, 0.3), (7, 0.1)), dist((8, 0.5), (9, 0.4), (10, 0.1))]
     tree = heads_tree(heads, max_nodes=4, max_depth=2)
-    # scores: 5 .6, then 6 .3 and 5→8 .3 (a tie: the one offered first), 5→9 .24
+    # the spine 5 → 8, then 6 (.3) and 5 → 9 (.24) before 6 → 8 (.15) and 7 (.1)
     assert tree == TokenTree((5, 6, 8, 9), (0, 0, 1, 1))
     assert [tree.tokens[n] for n in tree.spine()] == [5, 8]
     tree.check()
     assert heads_tree(heads, 8, 1) == TokenTree((5, 6, 7), (0, 0, 0))  # no deeper than asked
-    assert heads_tree(heads, 2, 2) == TokenTree((5, 6), (0, 0))
+    assert heads_tree(heads, 2, 2) == TokenTree((5, 8), (0, 1))  # the spine first: a chain
+    assert heads_tree(heads, 1, 2) == TokenTree((5,), (0,))
+    # 6 → 8 (.15) and 6 → 9 (.12) before 7 (.1)
+    assert heads_tree(heads, 6, 2) == TokenTree((5, 6, 8, 9, 8, 9), (0, 0, 1, 1, 2, 2))
     assert heads_tree([dist((1, 1.0)), dist((2, 1.0)), dist((3, 1.0))], 8, 3).is_chain
     assert len(heads_tree([], 8, 3)) == 0 and len(heads_tree(heads, 0, 2)) == 0
     assert heads_tree([dist((1, 0.0), (2, 1.0))], 4, 1) == TokenTree((2,), (0,))  # no zero-probability node
@@ -57,19 +60,19 @@ def test_the_tree_holds_the_top_path_scores_of_every_path_it_could_hold(seed):
     max_nodes, max_depth = rng.randint(1, 12), rng.randint(1, depth)
     tree = heads_tree(heads, max_nodes, max_depth)
     tree.check()
-    scores = []
+    spine = tree.spine()
+    assert [tree.tokens[n] for n in spine] == [h.token_ids[0] for h in heads[:min(max_nodes, max_depth)]]
+    assert len(tree) == min(max_nodes, sum(width ** d for d in range(1, max_depth + 1)))
+    scores = []  # of the nodes beside the spine
     for node in range(len(tree)):
         path = tree.path(node)
         assert all(tree.parents[n] <= n for n in path)  # parents first
-        score = 1.0
-        for d, n in enumerate(path):
-            score *= dict(zip(heads[d].token_ids, heads[d].probs))[tree.tokens[n]]
-        scores.append(score)
-    every = [score for d in range(1, max_depth + 1)
-             for ranks in itertools.product(range(width), repeat=d)
-             for score in [_product(heads[i].probs[r] for i, r in enumerate(ranks))]]
-    best = sorted(every, reverse=True)[:max_nodes]
-    assert sorted(scores, reverse=True) == pytest.approx(best)
+        if node not in spine:
+            scores.append(_product(dict(zip(heads[d].token_ids, heads[d].probs))[tree.tokens[n]]
+                                   for d, n in enumerate(path)))
+    others = [_product(heads[i].probs[r] for i, r in enumerate(ranks)) for d in range(1, max_depth + 1)
+              for ranks in itertools.product(range(width), repeat=d) if len(ranks) > len(spine) or any(ranks)]
+    assert sorted(scores, reverse=True) == pytest.approx(sorted(others, reverse=True)[:len(scores)])
 
 
 def _product(values) -> float:
@@ -101,8 +104,8 @@ def test_proposals_are_for_the_round_right_after_their_verdict_only():
     assert source.depth_at("s", 12) == 0 and source.depth_at("other", 13) == 0
     drafts = asyncio.run(source.propose(heads_round(13, 2, 3)))
     assert drafts.source == Proposer.HEADS and drafts.propose_seconds is None
-    assert drafts.proposal.draft_tokens == [4, 6, 5] and drafts.proposal.parents == (0, 1, 0)
-    assert drafts.proposal.draft_probs == [SparseDist.one_hot(t) for t in (4, 6, 5)]  # one-hot q
+    assert drafts.proposal.draft_tokens == [4, 5, 6] and drafts.proposal.parents == (0, 0, 1)
+    assert drafts.proposal.draft_probs == [SparseDist.one_hot(t) for t in (4, 5, 6)]  # one-hot q
     chain = asyncio.run(source.propose(heads_round(13, 2, 2)))
     assert chain.proposal.draft_tokens == [4, 6] and chain.proposal.parents == ()  # a chain goes as one
     assert asyncio.run(source.propose(heads_round(13, 2, 8, cap=1))).proposal.draft_tokens == [4, 5]
@@ -238,7 +241,7 @@ def test_heads_rounds_feed_their_estimates_and_new_heads_start_afresh():
     tree = heads_tree([dist((4, 0.6), (5, 0.3)), dist((6, 0.9), (7, 0.1))], 4, 2)  # 4 → 6, 5, 5 → 6
     for _ in range(30):  # the spine taken to depth 2, every round
         request.observe(Proposer.HEADS, len(tree), 2, propose_seconds=None, verify_seconds=None,
-                        verified_tokens=len(tree) + 1, tree=tree, accepted_nodes=(0, 1))
+                        verified_tokens=len(tree) + 1, tree=tree, accepted_nodes=(0, 2))
     shared = spec.heads_estimates("h1")
     assert shared.rounds == 30 and [d.alpha for d in shared.depths] == [1.0, 1.0]
     assert request.policy.heads.alphas(2) == [1.0, 1.0]

@@ -8,9 +8,10 @@ with the length of the history they continue; a round that starts from another l
 round whose Verify asked for none, a new request) has none at hand.
 
 A heads round proposes them as a token tree (`heads_tree`): depth d takes head d's candidates,
-nodes by path score (the product of the heads' probabilities along the path), so every node's
-children are picked by rank — deterministic given the history — and q is one-hot: the target's
-tree walk is exact at any temperature (docs/design.md, Over a token tree). Heads only propose:
+the spine (each head's likeliest) and then the nodes of the highest path score (the product of
+the heads' probabilities along the path), so every node's children are picked by rank —
+deterministic given the history — and q is one-hot: the target's tree walk is exact at any
+temperature (docs/design.md, Over a token tree). Heads only propose:
 the output is the target's.
 """
 
@@ -30,35 +31,49 @@ MAX_HEAD_CANDIDATES = 32  # VerifyRequest.head_candidates' limit (specdec/runtim
 
 
 def heads_tree(heads: Sequence[SparseDist], max_nodes: int, max_depth: int) -> TokenTree:
-    """The tree of at most `max_nodes` nodes, at most `max_depth` deep, with the highest path
-    scores: node at depth d holds one of head d's candidates (`heads[d - 1]`, most likely
-    first), its path score the product of its path's probabilities. Grown best first, so a node
-    is listed after its parent (a child's score is at most its parent's) and a node's children
-    in rank order (its first child is head d + 1's likeliest: the tree's spine is the heads'
-    top tokens). Candidates of probability 0 are left out."""
-    depth_cap = min(max_depth, len(heads))
-    tokens: list[int] = []
-    parents: list[int] = []
-    frontier: list[tuple[float, int, int, int, int]] = []  # (-score, order, depth, parent row, token)
+    """The tree of at most `max_nodes` nodes, at most `max_depth` deep, from the heads'
+    candidates (`heads[d - 1]`: head d's, most likely first): a node at depth d holds one of head
+    d's candidates and its path score is the product of its path's probabilities. It holds the
+    spine — each head's likeliest token, as deep as the nodes allow: what the planner prices
+    (heads_estimates.py) — and then the other nodes with the highest path scores, grown best
+    first, so a node comes with its parent (a child's score is at most its parent's). Listed
+    parents first (by depth) and each node's children by rank, so the spine is every node's
+    first child from the root. Candidates of probability 0 are left out. The nodes are picked
+    from the heads' numbers only: deterministic given the history (q one-hot)."""
+    deepest = min(max_depth, len(heads))
+    chosen: set[tuple[int, ...]] = set()  # a node as the ranks of the candidates on its path
+    spine: tuple[int, ...] = ()
+    for dist in heads[:min(deepest, max_nodes)]:
+        if not dist.probs or dist.probs[0] <= 0:
+            break
+        spine += (0,)
+        chosen.add(spine)
+    frontier: list[tuple[float, int, tuple[int, ...]]] = []  # (-score, order, node)
     order = 0
 
-    def offer(score: float, depth: int, row: int) -> None:
+    def offer(node: tuple[int, ...], score: float) -> None:
         nonlocal order
-        if depth > depth_cap:
+        if len(node) >= deepest:
             return
-        dist = heads[depth - 1]
-        for token, prob in zip(dist.token_ids, dist.probs):
-            if prob > 0:
-                heapq.heappush(frontier, (-score * prob, order, depth, row, int(token)))
+        for rank, prob in enumerate(heads[len(node)].probs):
+            child = node + (rank,)
+            if prob > 0 and child not in chosen:
+                heapq.heappush(frontier, (-score * prob, order, child))
                 order += 1
 
-    offer(1.0, 1, 0)
-    while frontier and len(tokens) < max_nodes:
-        negative, _, depth, row, token = heapq.heappop(frontier)
-        tokens.append(token)
-        parents.append(row)
-        offer(-negative, depth + 1, len(tokens))  # its row: node len(tokens) - 1, as on the wire
-    return TokenTree(tuple(tokens), tuple(parents))
+    score = 1.0
+    offer((), score)
+    for depth in range(1, len(spine) + 1):
+        score *= heads[depth - 1].probs[0]
+        offer(spine[:depth], score)
+    while frontier and len(chosen) < max_nodes:
+        negative, _, node = heapq.heappop(frontier)
+        chosen.add(node)
+        offer(node, -negative)
+    listed = sorted(chosen, key=lambda node: (len(node), node))  # by depth, then the ranks on the path
+    row = {node: i + 1 for i, node in enumerate(listed)}  # as on the wire: node i is row i + 1
+    tokens = tuple(int(heads[len(node) - 1].token_ids[node[-1]]) for node in listed)
+    return TokenTree(tokens, tuple(row.get(node[:-1], 0) for node in listed))
 
 
 @dataclass(frozen=True)
