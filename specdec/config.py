@@ -120,6 +120,10 @@ class TargetConfig(ModelServiceConfig):
     quantize: str = opt("none", "weights of the target's linear layers: none, or, as an explicit choice, "
                         "int8 or int4 (weight-only, CPU only: shorter steps, but the model served is "
                         "then the quantized one, and so is the output)", TARGET_QUANTIZATIONS)
+    heads: str = opt("", "directory of Medusa-style heads trained for this model (`specdec distill "
+                     "--heads K`): Verify then proposes the next round's tokens from the target's own "
+                     "hidden state (torch and graph backends; heads of another model are refused at "
+                     "start); empty = none")
 
 
 @dataclass(frozen=True)
