@@ -173,8 +173,13 @@ class CoordinatorConfig(ServerTlsConfig):
     max_num_speculative_tokens: int = opt(16, "largest γ a request may ask for, and the most adaptive γ "
                                           "picks")
     default_proposer: str = opt("auto", "proposal source when a request leaves proposer unset: auto "
-                                "(per round, prompt lookup or the draft model or none, whichever pays "
-                                "most), draft, ngram (prompt lookup only) or none", choices_of(Proposer))
+                                "(per round, prompt lookup, the draft model, the target's heads or none, "
+                                "whichever pays most), draft, ngram (prompt lookup only), none or heads "
+                                "(the target's heads only)", choices_of(Proposer))
+    head_candidates: int = opt(4, "where the target serves Medusa-style heads (--heads), every Verify "
+                               "of a request that may use them (proposer heads or auto) asks for each "
+                               "head's this many likeliest tokens, proposed as a token tree in the next "
+                               "round (0: never ask; at most 32)")
     ngram_max: int = opt(3, "longest n-gram prompt lookup matches against the session's history "
                          "(it tries n = this .. 1)")
     ngram_max_tokens: int = opt(16, "most tokens one prompt lookup proposes")
