@@ -319,28 +319,34 @@ class RoundLoop:
         allowed = self.governor is None or self.governor.speculate(self.adaptive)
         lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
                   if spec.looks_up(cap, allowed) else NO_LOOKUP)
-        candidates, heads = self._heads_at_hand(spec, record)
+        typical, heads = self._heads_at_hand(spec, record)
         plan = spec.plan(lookup, cap, draft_up, allowed, heads)
+        candidates = (self.heads.candidates if typical is not None
+                      and spec.policy.wants_heads(spec.mode, typical, cap, spec.load) else 0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("session %s round: %s", session_tag(record.session_id), spec.describe(plan))
         return Round(run, spec, plan, len(record.token_ids), cap, params, rng, seeds,
                      draft_up, allowed, started, head_candidates=candidates)
 
-    def _heads_at_hand(self, spec: RequestSpeculation, record: SessionRecord) -> tuple[int, HeadsAtHand | None]:
-        """For a request that may use the target's heads, where the session's target replica
-        serves them: the candidates its Verify asks for, and the proposals the round before read
-        (None: none at hand). The request plans with what is known of those heads (their id)."""
+    def _heads_at_hand(self, spec: RequestSpeculation,
+                       record: SessionRecord) -> tuple[HeadsAtHand | None, HeadsAtHand | None]:
+        """Where the request may use the target's heads and the session's target replica serves
+        them: what a round of their proposals could be (None: no heads), and the proposals the
+        round before read (None: none at hand). The request plans with what is known of those
+        heads (their id); after planning, its policy says whether the round's Verify reads them
+        for the next (`SessionPolicy.wants_heads`)."""
         target = self.routes.targets.info_of(record.target.address)
         if not spec.uses_heads or target is None or target.num_heads <= 0:
-            return 0, None
+            return None, None
         self.speculation.use_heads(spec, target.heads_id)
         limit = min(self.config.max_num_speculative_tokens, target.max_speculative_tokens)
+        typical = HeadsAtHand(min(target.num_heads, limit), limit, self.heads.candidates, trees=target.verifies_trees)
         at_hand = self.heads.at_hand(record.session_id, len(record.token_ids))
         depth = min(self.heads.depth_at(record.session_id, len(record.token_ids)), limit)
         if not depth:
-            return self.heads.candidates, None
+            return typical, None
         width = max(len(dist.token_ids) for dist in at_hand[:depth])
-        return self.heads.candidates, HeadsAtHand(depth, limit, width, trees=target.verifies_trees)
+        return typical, HeadsAtHand(depth, limit, width, trees=target.verifies_trees)
 
     async def _round(self, run: RequestRun, spec: RequestSpeculation, cap: int, params: SamplingParams,
                      rng: RequestRng) -> RoundResult:

@@ -191,6 +191,33 @@ def test_heads_are_chosen_where_their_tokens_per_round_beat_the_others(heads_alp
         assert choice.speedup > 2.0  # verification flat: the whole tree comes for one target pass
 
 
+def test_auto_reads_the_heads_only_while_the_next_round_may_take_them():
+    """Reading the heads costs the target an output-layer pass: under auto, heads that lose are
+    read again only when their probe comes due; heads that win, every round."""
+    losing = pinned_policy([0.1, 0.05, 0.05], draft_alpha=0.5, heads_b=0.02)
+    assert losing.choose(max_gamma=8, heads=AT_HAND).source == Proposer.DRAFT
+    assert not losing.wants_heads(Proposer.AUTO)
+    assert losing.wants_heads(Proposer.HEADS)  # a request held to heads reads them every round
+    unread = 0
+    while not losing.wants_heads(Proposer.AUTO):  # rounds whose Verify did not read them still count
+        assert losing.choose(max_gamma=8, heads=None).source == Proposer.DRAFT
+        unread += 1
+        assert unread <= losing.config.probe_interval
+    probe = losing.choose(max_gamma=8, heads=AT_HAND)
+    assert (probe.source, probe.reason) == (Proposer.HEADS, "probe")
+    winning = pinned_policy([0.8, 0.6, 0.5], heads_b=0.02)
+    assert winning.choose(max_gamma=8, heads=AT_HAND).source == Proposer.HEADS
+    assert winning.wants_heads(Proposer.AUTO)
+    assert not pinned_policy(None).wants_heads(Proposer.AUTO)  # a target without heads: never
+    unseen = pinned_policy([0.8, 0.6, 0.5], heads_b=0.02)  # good heads, none read before this round
+    assert unseen.choose(max_gamma=8, heads=None).source == Proposer.DRAFT
+    assert not unseen.wants_heads(Proposer.AUTO)
+    assert unseen.wants_heads(Proposer.AUTO, AT_HAND, cap=8)  # they would beat the draft: read them
+    still_losing = pinned_policy([0.1, 0.05, 0.05], draft_alpha=0.5, heads_b=0.02)
+    assert still_losing.choose(max_gamma=8, heads=AT_HAND).source == Proposer.DRAFT
+    assert not still_losing.wants_heads(Proposer.AUTO, AT_HAND, cap=8)  # they would not beat the draft
+
+
 def test_never_heads_without_heads_or_without_proposals_at_hand():
     no_heads = pinned_policy(None)
     assert no_heads.choose(max_gamma=8, heads=AT_HAND).source == Proposer.DRAFT  # the target has none

@@ -161,6 +161,7 @@ class SessionPolicy:
         self.lookup_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
         if self.branch is None:
             self.branch = AcceptanceEstimate(c.alpha_decay)
+        self._last = Choice(Proposer.NONE, 0, "none")  # the latest round's choice
 
     def use_draft(self, draft_model: str, costs: CostModel, prior: AcceptanceEstimate, clock: ProbeClock,
                   branch: AcceptanceEstimate) -> None:
@@ -181,6 +182,28 @@ class SessionPolicy:
                                                             ProbeClock(c.probe_interval))
         if heads.warmed_up:
             state.acceptance.rounds = c.warmup_rounds
+
+    def wants_heads(self, mode: Proposer, typical: HeadsAtHand | None = None, cap: int = 0,
+                    load: int = 1) -> bool:
+        """Whether the Verify of the round just chosen should read the heads' proposals for the
+        next round. A request held to heads: always. Under auto only while the next round may
+        take them: the heads still warm up, won this round, are due for a probe, or would beat
+        this round's choice with proposals like `typical` (what the target's heads and the
+        round's `cap` allow). Reading them costs the target one more pass of its output layer
+        (all heads at once), which a CPU target pays on every round it is asked, so heads that
+        lose are read again only to probe."""
+        if self.heads is None or mode not in (Proposer.AUTO, Proposer.HEADS):
+            return False
+        if mode == Proposer.HEADS:
+            return True
+        state = self.sources[Proposer.HEADS]
+        if (state.acceptance.rounds < self.config.warmup_rounds or self._last.source == Proposer.HEADS
+                or state.clock.idle >= state.clock.interval):
+            return True
+        if typical is None:
+            return False
+        found = self.heads.best_round(typical, cap, lambda nodes: self.costs.relative_heads_cost(nodes, load))
+        return found is not None and found[2] > max(1.0, self._last.speedup)
 
     def observe_heads(self, outcome: TreeOutcome) -> None:
         """A heads round's outcome against its tree's spine: α per depth and b."""
@@ -418,8 +441,14 @@ class SessionPolicy:
         return best
 
     def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
-        """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""
-        for source in caps:
+        """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round
+        — the heads too on a round whose Verify before did not read them (`wants_heads`), so
+        their probe comes due."""
+        idle = set(caps)
+        if self.heads is not None and Proposer.HEADS not in caps:
+            idle.add(Proposer.HEADS)
+        for source in idle:
             clock = self.sources[source].clock
             clock.idle = 0 if source == choice.source else clock.idle + 1
+        self._last = choice
         return choice
