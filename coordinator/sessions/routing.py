@@ -48,11 +48,11 @@ Check = Callable[[ModelDescription], None]  # raises (naming the difference) whe
 
 
 def model_fingerprint(info: ModelDescription) -> str:
-    """The model a replica serves, as its model info names it (id, dtype, device, output size):
-    what the coordinator's estimates of a model are kept by. A new checkpoint rolled out under a
-    new path (or hub id) is another model; one written over the old path is not (give each
-    checkpoint its own path, docs/models.md#rolling-out-a-distilled-draft)."""
-    identity = "\x00".join((info.model_id, info.dtype, info.device, str(info.vocab_size)))
+    """The model a replica serves, as its model info names it (id, dtype, device, output size,
+    the checkpoint's identity): what the coordinator's estimates of a model are kept by. A new
+    checkpoint is another model, whether rolled out under a new path or written over the old
+    one (its checkpoint_id differs: specdec/checkpoint.py)."""
+    identity = "\x00".join((info.model_id, info.dtype, info.device, str(info.vocab_size), info.checkpoint_id))
     return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
 
 

@@ -61,6 +61,7 @@ def model_info_to_pb(desc: ModelDescription) -> common_pb2.ModelInfo:
         verifies_trees=desc.verifies_trees,
         num_heads=desc.num_heads,
         heads_id=desc.heads_id,
+        checkpoint_id=desc.checkpoint_id,
     )
 
 
@@ -91,6 +92,7 @@ def model_info_from_pb(pb: common_pb2.ModelInfo) -> ModelDescription:
         verifies_trees=pb.verifies_trees,
         num_heads=pb.num_heads,
         heads_id=pb.heads_id,
+        checkpoint_id=pb.checkpoint_id,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -69,7 +70,17 @@ def check_memory_fraction(fraction: float, backend: Backend, device: str) -> Non
 
 
 def runner_from_config(config) -> SessionRunner:
-    """Load the model of a ModelServiceConfig on its engine, with its cache bounds."""
+    """Load the model of a ModelServiceConfig on its engine, with its cache bounds; its
+    description names the checkpoint's files (specdec/checkpoint.py)."""
+    from specdec.checkpoint import checkpoint_id
+
+    runner = _load_runner(config)
+    runner.description = dataclasses.replace(runner.description, checkpoint_id=checkpoint_id(config.model))
+    return runner
+
+
+def _load_runner(config) -> SessionRunner:
+    """The runner of a ModelServiceConfig's model on its engine."""
     backend = resolve_backend(config.backend, config.model, device=config.device,
                               quantize=getattr(config, "quantize", Quantization.NONE))
     check_memory_fraction(config.kv_cache_memory_fraction, backend, config.device)

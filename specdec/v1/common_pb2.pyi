@@ -41,7 +41,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "tokenizer_vocab_size", "eos_token_ids", "max_context_length", "dtype", "device", "max_speculative_tokens", "cpu", "verifies_trees", "num_heads", "heads_id")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "tokenizer_vocab_size", "eos_token_ids", "max_context_length", "dtype", "device", "max_speculative_tokens", "cpu", "verifies_trees", "num_heads", "heads_id", "checkpoint_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ModelInfo(_message.Message):
     VERIFIES_TREES_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEADS_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -68,7 +69,8 @@ class ModelInfo(_message.Message):
     verifies_trees: bool
     num_heads: int
     heads_id: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., cpu: _Optional[_Union[CpuPlacement, _Mapping]] = ..., verifies_trees: _Optional[bool] = ..., num_heads: _Optional[int] = ..., heads_id: _Optional[str] = ...) -> None: ...
+    checkpoint_id: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., cpu: _Optional[_Union[CpuPlacement, _Mapping]] = ..., verifies_trees: _Optional[bool] = ..., num_heads: _Optional[int] = ..., heads_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
 
 class CpuPlacement(_message.Message):
     __slots__ = ("boot_id", "cores", "threads")
