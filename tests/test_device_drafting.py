@@ -163,3 +163,27 @@ def test_the_loop_reads_the_device_once_per_batch():
     for temperature in (0.0, 1.0):
         spec = launches.RowSpec(f"loop-{temperature}", "draft", 4, temperature, False)
         assert launches.measure_row(rows, spec, repeats=1, warmup=1).syncs == 1
+
+
+def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(draft):
+    """Trees of several depths and budgets, greedy and sampled (a tree's children are picked by
+    rank: deterministic either way), beside a chain in one batch: the device's trees are the
+    host loop's, node for node, and so is what each session keeps (a sampled chain draws apart:
+    the device's draws are inverse-CDF, the host's multinomial)."""
+    engine, device = draft
+    host = ModelProposer(engine, K)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=3, top_p=0.8)):
+        outcomes = []
+        for drafting in (device, host):
+            calls = [drafting.call(f"t{i}", 0, 0, PROMPT + [i], gamma, params, 5 + i, tree_nodes=nodes)
+                     for i, (gamma, nodes) in enumerate(((2, 4), (4, 8), (3, 3), (1, 2), (3, 0)))]
+            depths = device.tree_depths
+            proposals = drafting.propose_batch(calls)
+            outcomes.append([(p.draft_tokens, p.parents, p.cached_len) for p in proposals])
+            for call in calls:
+                engine.release(call.session_id)
+        compared = len(outcomes[0]) if params.greedy else 4
+        assert outcomes[0][:compared] == outcomes[1][:compared], params
+        assert device.tree_depths == depths  # the host loop's run did not reach the device's
+        assert all(parents for _, parents, _ in outcomes[0][:4]) and not outcomes[0][4][1]
+    assert device.tree_depths > 0

@@ -188,12 +188,15 @@ def test_greedy_chains_through_graph_services_equal_the_hf_model(graph_cluster, 
 
 @pytest.mark.e2e
 def test_greedy_trees_grown_and_verified_on_the_graph_engine(graph_cluster, expected):
+    drafting = graph_cluster.draft_servicer.drafting
+    depths = drafting.tree_depths
     for gamma, nodes in ((2, 4), (3, 6), (4, 8)):
         for prompt in PROMPTS[:2]:
             response = graph_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
                                               num_speculative_tokens=gamma, tree_nodes=nodes, proposer=DRAFT)
             assert list(response.token_ids) == expected[prompt], (gamma, nodes, prompt)
             assert response.stats.tree_rounds > 0
+    assert drafting.tree_depths > depths  # each depth picked on the device (batched_tree_drafting.py)
 
 
 @pytest.mark.e2e

@@ -10,7 +10,9 @@ each request's own uniforms, so a seeded request reproduces on this engine.
 
 Calls the loop does not cover keep the host loop, in the same batch: calls with hints (their
 first step decides how many hints to keep), and sampled calls whose top-k is wider than the
-proposal's K. Trees grow as on every engine (tree_drafting.py). A call that asks to stop early
+proposal's K. Trees grow one forward per depth as on every engine (tree_drafting.py), but each
+depth's children are picked for the whole batch at once on the device
+(batched_tree_drafting.py: one host read per depth, not one per call). A call that asks to stop early
 (min_confidence) is cut after the first draft below it, as the host loop stops there; the loop
 drafted the rest for nothing.
 """
@@ -23,8 +25,11 @@ import torch
 
 from specdec.runtime.batched_acceptance import row_uniforms
 from specdec.runtime.batched_proposal import RowWarps, fits_on_device
-from specdec.runtime.drafting import ChainDraft, ModelProposer
+from specdec.runtime.batched_tree_drafting import extend_batch
+from specdec.runtime.drafting import ChainDraft, ModelProposer, ProposeCall
+from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row
+from specdec.runtime.tree_drafting import _Growing, grow_trees
 from specdec.types import SparseDist
 
 
@@ -40,6 +45,16 @@ class DeviceDrafting(ModelProposer):
             super().draft_chains([live[i] for i in host], [rows[i] for i in host], results)
         if loop:
             self._draft_on_device([live[i] for i in loop], [rows[i] for i in loop], results)
+
+    tree_depths = 0  # depths of trees grown on the device (for tests and the bench), batches not calls
+
+    def grow_trees(self, trees: list[tuple[int, SessionCache, Sequence[int], ProposeCall]], results: list) -> None:
+        """Every tree of the batch grown together, each depth picked on the device."""
+        grow_trees(self.runner, trees, results, self._extend_on_device)
+
+    def _extend_on_device(self, live: Sequence[_Growing], logits: Sequence[torch.Tensor]) -> None:
+        extend_batch(live, logits)
+        self.tree_depths += 1
 
     def _draft_on_device(self, live: Sequence[ChainDraft], rows: Sequence[Row], results: list) -> None:
         runner = self.runner
