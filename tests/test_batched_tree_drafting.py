@@ -1,6 +1,8 @@
-"""A depth of every tree at once on the device (specdec/runtime/batched_tree_drafting.py): over
+"""A depth of every tree at once on the device (specdec/runtime/batched_tree_drafting.py, as
+graph/tree_loop.py runs it): over
 many random logits and warps — greedy, sampled with top-k, top-p and temperature, ties — the
-trees are the host loop's (tree_drafting.extend), node for node, in order, and so is the cut."""
+trees are the host loop's (tree_drafting.extend), node for node, in order, and so is the cut;
+the frontier the device loop (graph/tree_loop.py) carries to the next depth is the host's."""
 
 from __future__ import annotations
 
@@ -9,11 +11,40 @@ import random
 import pytest
 import torch
 
-from specdec.runtime.batched_tree_drafting import extend_batch
+from specdec.maths.tree import TREE_WIDTH
+from specdec.runtime.batched_proposal import RowWarps
+from specdec.runtime.batched_tree_drafting import DepthInputs, keep_slots, next_inputs, pick_depth
 from specdec.runtime.tree_drafting import _Growing, cut, extend
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit
+
+
+def depth_inputs(live: list[_Growing], rows: int) -> DepthInputs:
+    """What a depth's selection reads, from the host's trees (frontiers padded to `rows`)."""
+    above, flags, spine = [], [], []
+    for g in live:
+        pad = rows - len(g.frontier)
+        above.append([1.0 if node < 0 else g.scores[node] for node in g.frontier] + [0.0] * pad)
+        flags.append([True] * len(g.frontier) + [False] * pad)
+        parent = g.spine_parent()
+        spine.append(g.frontier.index(parent) if parent in g.frontier else -1)
+    return DepthInputs(torch.tensor(above, dtype=torch.float64), torch.tensor(flags), torch.tensor(spine))
+
+
+def extend_on_device(live: list[_Growing], logits: list[torch.Tensor]) -> DepthInputs:
+    """A depth of every tree at once as graph/tree_loop.py picks it (`pick_depth`), read back
+    and added to the host's trees (`keep_slots`, as DeviceDrafting does); returns what the loop
+    carries to the next depth (`next_inputs`)."""
+    rows = max(len(g.frontier) for g in live)
+    padded = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0])) for x in logits])  # [C, F, vocab]
+    params = [g.params for g in live for _ in range(rows)]
+    state = depth_inputs(live, rows)
+    kept = pick_depth(padded, state, params, RowWarps.of(params))  # [C, n, 4]
+    w = min(TREE_WIDTH, padded.shape[-1])
+    for g, slots in zip(live, kept.tolist()):
+        keep_slots(g, slots, w)
+    return next_inputs(kept, state, w)
 
 
 def random_params(rng: random.Random, vocab: int) -> SamplingParams:
@@ -54,9 +85,13 @@ def test_a_batch_of_trees_grows_as_the_host_loop_grows_each(seed):
         logits = [random_logits(len(g.frontier), vocab, rng, generator) for g in device]
         for g, row_logits in zip(host, logits):
             extend(g, row_logits)
-        extend_batch(device, logits)
+        carried = extend_on_device(device, logits)
         for h, d in zip(host, device):
             assert state(d) == state(h), (h.params, h.grown)
+        # what the device loop carries to the next depth is what the host's trees say it is
+        want = depth_inputs(device, TREE_WIDTH)
+        assert torch.equal(carried.live, want.live) and torch.equal(carried.spine_row, want.spine_row)
+        assert torch.equal(carried.above, want.above)
         keep = [i for i, g in enumerate(device) if g.grown < g.depths and g.frontier]
         for h, d in zip(host, device):
             if d not in [device[i] for i in keep]:
@@ -71,11 +106,11 @@ def test_ties_keep_the_earlier_row_then_the_likelier_rank():
     device = _Growing(0, "s", None, greedy, 3, 8, base=3)
     flat = torch.zeros((1, 8))
     extend(host, flat)
-    extend_batch([device], [flat])
+    extend_on_device([device], [flat])
     assert state(device) == state(host)
     assert host.tokens == [0, 1, 2, 3] or len(set(host.tokens)) == 4
     same = torch.zeros((4, 8))
     extend(host, same)
-    extend_batch([device], [same])
+    extend_on_device([device], [same])
     assert state(device) == state(host)
     assert host.parents[4:] == [1, 1, 1, 1]  # the first row's children: ties keep the earlier row

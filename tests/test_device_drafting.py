@@ -177,13 +177,13 @@ def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(dra
         for drafting in (device, host):
             calls = [drafting.call(f"t{i}", 0, 0, PROMPT + [i], gamma, params, 5 + i, tree_nodes=nodes)
                      for i, (gamma, nodes) in enumerate(((2, 4), (4, 8), (3, 3), (1, 2), (3, 0)))]
-            depths = device.tree_depths
+            loops = device.tree_loops
             proposals = drafting.propose_batch(calls)
             outcomes.append([(p.draft_tokens, p.parents, p.cached_len) for p in proposals])
             for call in calls:
                 engine.release(call.session_id)
         compared = len(outcomes[0]) if params.greedy else 4
         assert outcomes[0][:compared] == outcomes[1][:compared], params
-        assert device.tree_depths == depths  # the host loop's run did not reach the device's
+        assert device.tree_loops == loops  # the host loop's run did not reach the device's
         assert all(parents for _, parents, _ in outcomes[0][:4]) and not outcomes[0][4][1]
-    assert device.tree_depths > 0
+    assert device.tree_loops > 0

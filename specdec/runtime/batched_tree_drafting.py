@@ -1,11 +1,13 @@
-"""A depth of every growing token tree of a batch at once, on the device: one host read per depth.
+"""A depth of every growing token tree of a batch at once, in tensor ops on the device.
 
 The host loop's `tree_drafting.extend` reads each call's candidates to the host and picks its
-children in Python: on a GPU a synchronisation per call per depth. `extend_batch` does the same
-for all calls in tensor ops — each frontier row's TREE_WIDTH candidates, their path scores, the
-beam's best TREE_WIDTH with the spine forced in — and reads the kept children of the whole batch
-back in ONE packed read, from which each call's bookkeeping (`tree_drafting.keep`) goes on as
-on the host. The trees are the host loop's, token for token, parent for parent, in order:
+children in Python: on a GPU a synchronisation per call per depth. `pick_depth` does the same
+for all calls at once — each frontier row's TREE_WIDTH candidates, their path scores, the
+beam's best TREE_WIDTH with the spine forced in — and `next_inputs` turns the kept children
+into the next depth's frontier, still on the device, so the graph engine's tree loop
+(graph/tree_loop.py) grows every depth without a host read and reads all of them back once;
+`keep_slots` then adds each depth's kept children to the host's tree as `extend` adds them.
+The trees are the host loop's, token for token, parent for parent, in order:
 
 - Candidates are computed by the same operations as `tree_drafting.candidates`, row by row:
   greedy rows softmax at T = 1 then top-TREE_WIDTH; sampled rows the request's warp
@@ -85,24 +87,12 @@ def candidate_rows(logits: torch.Tensor, params: Sequence[SamplingParams], warps
 
 @dataclass
 class DepthInputs:
-    """What a depth's selection reads besides the logits: host values, for `select`."""
+    """What a depth's selection reads besides the logits (on the device, carried from depth to
+    depth by `next_inputs`)."""
 
     above: torch.Tensor  # [C, F] float64: each frontier row's path score (1 for the root; 0 in padding)
     live: torch.Tensor  # [C, F] bool: a real frontier row (not padding)
     spine_row: torch.Tensor  # [C] int64: the frontier row the spine goes on under (-1: it stopped)
-
-    @classmethod
-    def of(cls, live: Sequence[_Growing], rows: int, device: torch.device) -> "DepthInputs":
-        """The host's values for these trees, frontiers padded to `rows`, uploaded in one copy."""
-        packed = []  # per tree: F scores, F flags, the spine's row
-        for growing in live:
-            scores = [1.0 if node < 0 else growing.scores[node] for node in growing.frontier]
-            pad = rows - len(scores)
-            parent = growing.spine_parent()
-            spine_row = growing.frontier.index(parent) if parent in growing.frontier else -1
-            packed.append(scores + [0.0] * pad + [1.0] * len(scores) + [0.0] * pad + [float(spine_row)])
-        values = _upload(packed, torch.float64, device)  # [C, 2F + 1]
-        return cls(values[:, :rows], values[:, rows:2 * rows] > 0, values[:, 2 * rows].long())
 
 
 def select(ids: torch.Tensor, probs: torch.Tensor, inputs: DepthInputs, keep_n: int) -> torch.Tensor:
@@ -125,29 +115,42 @@ def select(ids: torch.Tensor, probs: torch.Tensor, inputs: DepthInputs, keep_n: 
                         scores.gather(1, order)], dim=-1)
 
 
-def extend_batch(live: Sequence[_Growing], logits: Sequence[torch.Tensor]) -> None:
-    """A depth of every growing tree at once (`tree_drafting.ExtendAll`): per tree logits
-    [frontier, vocab] on the device; one host read for the batch."""
-    device = logits[0].device
-    rows = max(len(growing.frontier) for growing in live)  # F
-    padded = torch.cat([torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0])) for x in logits])  # [C·F, vocab]
-    params = [growing.params for growing in live for _ in range(rows)]
-    ids, probs = candidate_rows(padded, params, RowWarps.of(params).to(device), TREE_WIDTH)  # [C·F, w]
+def pick_depth(logits: torch.Tensor, state: DepthInputs, params: Sequence[SamplingParams],
+               warps: RowWarps) -> torch.Tensor:
+    """One depth of every tree: logits [C, F, vocab] of each tree's frontier rows (padding rows
+    anything); params and warps per row ([C · F]) -> the kept children [C, TREE_WIDTH, 4]
+    float64 (`select`'s slots, those past the pool's size invalid)."""
+    C, F, vocab = logits.shape
+    ids, probs = candidate_rows(logits.reshape(C * F, vocab), params, warps, TREE_WIDTH)  # [C·F, w]
     w = ids.shape[-1]
-    keep_n = min(TREE_WIDTH, rows * w)
-    kept = select(ids.view(len(live), rows, w), probs.view(len(live), rows, w), DepthInputs.of(live, rows, device),
-                  keep_n).tolist()  # the batch's one host read this depth
-    for growing, slots in zip(live, kept):
-        parent = growing.spine_parent()
-        chain_index = growing.frontier.index(parent) * w if parent in growing.frontier else -1
-        chosen: list[tuple[float, int, int]] = []  # (path score, parent node or -1, token)
-        chain = None  # (parent, token) of the spine's next node
-        for valid, index, token, score in slots:
-            if valid:
-                chosen.append((score, growing.frontier[int(index) // w], int(token)))
-                if int(index) == chain_index:
-                    chain = chosen[-1][1:]
-        keep(growing, chosen, chain)
+    kept = select(ids.view(C, F, w), probs.view(C, F, w), state, min(TREE_WIDTH, F * w))  # [C, ≤n, 4]
+    return torch.nn.functional.pad(kept, (0, 0, 0, TREE_WIDTH - kept.shape[1]))
+
+
+def next_inputs(kept: torch.Tensor, state: DepthInputs, w: int) -> DepthInputs:
+    """The next depth's inputs from this depth's kept slots [C, TREE_WIDTH, 4], on the device:
+    the kept slots are the next frontier's rows (valid ones first, as `keep` lists them), and the
+    spine goes on under the slot that holds its candidate (the spine's row's rank 0), if any."""
+    valid = kept[..., 0] > 0  # [C, n]
+    index = kept[..., 1].long()
+    is_chain = valid & (index == state.spine_row[:, None] * w) & (state.spine_row >= 0)[:, None]  # [C, n]
+    spine_row = torch.where(is_chain.any(dim=-1), is_chain.long().argmax(dim=-1), -1)  # [C]
+    return DepthInputs(torch.where(valid, kept[..., 3], 0.0), valid, spine_row)
+
+
+def keep_slots(growing: _Growing, slots: Sequence[Sequence[float]], w: int) -> None:
+    """A depth's kept children as `select` gives them (per slot: valid, pool index, token,
+    path score; w candidates per frontier row) added to the tree as `tree_drafting.extend` adds them."""
+    parent = growing.spine_parent()
+    chain_index = growing.frontier.index(parent) * w if parent in growing.frontier else -1
+    chosen: list[tuple[float, int, int]] = []  # (path score, parent node or -1, token)
+    chain = None  # (parent, token) of the spine's next node
+    for valid, index, token, score in slots:
+        if valid:
+            chosen.append((score, growing.frontier[int(index) // w], int(token)))
+            if int(index) == chain_index:
+                chain = chosen[-1][1:]
+    keep(growing, chosen, chain)
 
 
 def _upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ target accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -103,12 +103,6 @@ def keep(growing: _Growing, kept: Sequence[tuple[float, int, int]], chain: tuple
     growing.grown += 1
 
 
-def extend_each(live: Sequence[_Growing], logits: Sequence[torch.Tensor]) -> None:
-    """A depth of every growing tree, one call at a time on the host (`extend`)."""
-    for growing, row_logits in zip(live, logits):
-        extend(growing, row_logits)
-
-
 def cut(growing: _Growing) -> TokenTree:
     """The spine (as deep as the budget allows), then the best other nodes by path score (ties:
     the earlier node, so a parent comes first), tree_nodes in all."""
@@ -120,37 +114,49 @@ def cut(growing: _Growing) -> TokenTree:
     return subtree(growing.tree(), sorted(spine + others[:growing.budget - len(spine)]))
 
 
-ExtendAll = Callable[[Sequence[_Growing], Sequence[torch.Tensor]], None]
+TreeCalls = Sequence[tuple[int, SessionCache, Sequence[int], object]]  # (index, entry, feed, ProposeCall)
 
 
-def grow_trees(runner: SessionRunner, calls: Sequence[tuple[int, SessionCache, Sequence[int], object]],
-               results: list, extend_all: ExtendAll = extend_each) -> None:
-    """calls: (index, entry, tokens to feed, the ProposeCall) of calls asking for trees, their
-    sessions rolled back already; each result (a Proposal with parents, or the exception) goes
-    to results[index]. One forward for the feed, then one per depth, for every tree at once;
-    `extend_all` grows a depth of every live tree from its logits (per tree [frontier, vocab]):
-    one call at a time on the host, or the whole batch on the device (batched_tree_drafting.py)."""
+def start_trees(calls: TreeCalls) -> tuple[list[_Growing], list[Row]]:
+    """Each call's growing tree and the row of its first forward (its feed, the root last)."""
     live = [_Growing(index, call.session_id, entry, call.params, call.gamma, call.tree_nodes,
                      len(entry) + len(feed)) for index, entry, feed, call in calls]
-    rows = [Row(g.session_id, g.entry, list(feed), 1) for g, (_, _, feed, _) in zip(live, calls)]
+    return live, [Row(g.session_id, g.entry, list(feed), 1) for g, (_, _, feed, _) in zip(live, calls)]
+
+
+def growing_on(growing: _Growing) -> bool:
+    """Whether a tree grows another depth."""
+    return growing.grown < growing.depths and bool(growing.frontier)
+
+
+def finish_tree(runner: SessionRunner, growing: _Growing) -> Proposal:
+    """A grown tree's Proposal (cut to its budget); the session keeps its history only: the next
+    call sends the path the target accepted."""
+    tree = cut(growing)
+    growing.entry.crop(growing.base)
+    return Proposal(list(tree.tokens), [SparseDist.one_hot(t) for t in tree.tokens], len(growing.entry), 0,
+                    runner.take_restored(growing.session_id), parents=tree.parents)
+
+
+def grow_trees(runner: SessionRunner, calls: TreeCalls, results: list) -> None:
+    """calls: (index, entry, tokens to feed, the ProposeCall) of calls asking for trees, their
+    sessions rolled back already; each result (a Proposal with parents, or the exception) goes
+    to results[index]. One forward for the feed, then one per depth, for every tree at once,
+    each depth picked on the host call by call (the graph engine picks them on the device,
+    graph/tree_loop.py)."""
+    live, rows = start_trees(calls)
     while live:
         try:
-            extend_all(live, runner.forward_batch(rows))  # per row [frontier, vocab]
+            for growing, logits in zip(live, runner.forward_batch(rows)):  # per row [frontier, vocab]
+                extend(growing, logits)
         except Exception as exc:  # noqa: BLE001 - every call in the forward failed with it
             for growing in live:
                 growing.entry.crop(growing.base)
                 results[growing.index] = exc
             return
-        still = []
         for growing in live:
-            if growing.grown < growing.depths and growing.frontier:
-                still.append(growing)
-                continue
-            tree = cut(growing)
-            growing.entry.crop(growing.base)  # the history only: the next call sends the accepted path
-            results[growing.index] = Proposal(list(tree.tokens), [SparseDist.one_hot(t) for t in tree.tokens],
-                                              len(growing.entry), 0, runner.take_restored(growing.session_id),
-                                              parents=tree.parents)
-        live = still
+            if not growing_on(growing):
+                results[growing.index] = finish_tree(runner, growing)
+        live = [growing for growing in live if growing_on(growing)]
         rows = [Row(g.session_id, g.entry, [g.tokens[i] for i in g.frontier], len(g.frontier), g.tree())
                 for g in live]
