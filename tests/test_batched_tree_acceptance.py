@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdec.config import TargetConfig
+from specdec.maths.draft_q import DraftQ
 from specdec.maths.tree import TokenTree
 from specdec.maths.tree_acceptance import accept_tree_greedy
 from specdec.runtime.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
@@ -40,17 +41,17 @@ def random_tree(rng: random.Random, nodes: int, vocab: int = VOCAB) -> TokenTree
     return tree
 
 
-def batch_of(trees: list[TokenTree], p: torch.Tensor, q: torch.Tensor | None, greedy: bool,
+def batch_of(trees: list[TokenTree], p: torch.Tensor, q: DraftQ | None, greedy: bool,
              uniforms: torch.Tensor) -> TreeBatch:
-    """p [R, N+1, V]; q [R, N, V] dense (every id; None: greedy rows, q all zero)."""
-    layout = tree_layout(trees)
-    rows, nodes = layout.tokens.shape
-    if q is None:
-        q_ids, q_probs = torch.zeros((rows, nodes, 1), dtype=torch.long), torch.zeros((rows, nodes, 1))
-    else:
-        q_ids, q_probs = torch.arange(VOCAB).expand(rows, nodes, VOCAB).contiguous(), q.float()
-    return TreeBatch(p.float(), layout.tokens, layout.children, layout.sizes, layout.widths, q_ids, q_probs,
-                     torch.full((rows,), greedy), uniforms)
+    """p [R, N+1, V]; q: every row's nodes' q (None: greedy rows, no q)."""
+    return TreeBatch(p.float(), tree_layout(trees, [q] * len(trees)), torch.full((len(trees),), greedy), uniforms,
+                     not greedy)
+
+
+def sparse(rows: list[tuple[list[int], list[float]]]) -> DraftQ:
+    """A DraftQ of per-node (ids, probs)."""
+    return DraftQ(tuple(torch.tensor(ids) for ids, _ in rows), tuple(torch.tensor(probs) for _, probs in rows),
+                  torch.zeros(len(rows)))
 
 
 @pytest.mark.unit
@@ -95,12 +96,12 @@ def test_sampled_walks_follow_p_over_the_first_two_tokens(proposal):
     token alone (p_after), as the target's next round after that token would. one-hot: children are the draft's top tokens (q one-hot);
     drawn-from-q: each child drawn from its own q independently (q not one-hot, children may
     repeat); all-rejected: p at the root is zero on every child's token."""
-    rows = 30_000
+    rows = 12_000
     g = torch.Generator().manual_seed(11)
     p_root, p_after, q_rows = dists(1, 1)[0], dists(VOCAB, 2), dists(4, 3, sharp=1.0)
     if proposal == "drawn-from-q":
         tokens = torch.stack([torch.multinomial(q_rows[k], rows, replacement=True, generator=g) for k in range(4)], 1)
-        q = q_rows.expand(rows, 4, VOCAB)
+        q = sparse([(list(range(VOCAB)), q_rows[k].tolist()) for k in range(4)])  # every id, some of them 0
     else:
         top = (torch.tensor([VOCAB - 1, 0, 1, 2]) if proposal == "all-rejected" else torch.tensor([3, 5, 0, 7]))
         if proposal == "all-rejected":
@@ -108,7 +109,7 @@ def test_sampled_walks_follow_p_over_the_first_two_tokens(proposal):
             p_root[top[:3]] = 0.0
             p_root /= p_root.sum()
         tokens = top.expand(rows, 4)
-        q = torch.nn.functional.one_hot(tokens, VOCAB).float()
+        q = sparse([([token], [1.0]) for token in top.tolist()])
     trees = [TokenTree(tuple(row), (0, 0, 0, 1)) for row in tokens.tolist()]  # [R] trees of 4 nodes
     p = torch.cat([p_root.expand(rows, 1, VOCAB), p_after[tokens]], dim=1)  # [R, 5, V]
     decisions = decide_trees(batch_of(trees, p, q, False, torch.rand(rows, 5, generator=g)))
@@ -203,3 +204,17 @@ def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host
     assert [(v.accepted_nodes, v.is_bonus) for v, _ in together[3:]] == [((3, 5), False), ((0, 3, 4), True)]
     host = verify(Verifier(target), [(i, rows[i]) for i in (3, 4)])
     assert [together[3], together[4]] == host  # greedy trees: the host walk's path, token, K/V, logprobs
+
+
+@pytest.mark.service
+def test_a_tree_too_wide_for_the_device_step_is_decided_on_the_host(target, monkeypatch):
+    import specdec.runtime.batched_tree_acceptance as module
+
+    monkeypatch.setattr(module, "MAX_POINTS", 4)  # 3 children × (one-hot q + 1) = 6 points: too many
+    rows = rows_of(target)
+    device = target.verification()
+    (verdict, kept), = verify(device, [(0, rows[0])])
+    assert device.decided == {"chains": 0, "trees": 0}  # the host walk decided it
+    assert kept == HISTORY + [0] + verdict.committed(list(rows[0][0]))[:-1]
+    (on_device, _), = verify(device, [(4, rows[4])])  # greedy, two children of a node: 2 × 1 points fit
+    assert device.decided["trees"] == 1 and on_device.accepted_nodes == (0, 3, 4)

@@ -6,7 +6,8 @@ logits (rows with the same sampling parameters together) and decides the batch's
 batched_acceptance.decide and its trees with batched_tree_acceptance.decide_trees, padded to
 the largest of each: one host read per kind for the accepted counts (paths), the next tokens
 and the ratios. The log-probabilities a call may ask for are computed after, on the host, as
-there. The rule is the same; the draws differ from the host verifier's (inverse-CDF against
+there, and so is a tree whose q rows are too wide for the device step (MAX_POINTS in
+batched_tree_acceptance.py: q rows near a vocabulary wide, which no draft of ours sends). The rule is the same; the draws differ from the host verifier's (inverse-CDF against
 multinomial), so a seeded request reproduces on the same engine, and follows the target's
 distribution on every engine.
 """
@@ -19,7 +20,7 @@ import torch
 
 from specdec.maths.sampling import target_probs
 from specdec.runtime.batched_acceptance import ChainBatch, decide, row_uniforms
-from specdec.runtime.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
+from specdec.runtime.batched_tree_acceptance import TreeBatch, decide_trees, fits_on_device, tree_layout
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import SessionRunner
@@ -38,9 +39,13 @@ class DeviceVerifier(Verifier):
 
     def accept_rows(self, rows: Sequence[Forwarded]) -> list[Verdict | Exception]:
         verdicts: list[Verdict | Exception | None] = [None] * len(rows)
+        on_host = [i for i, (call, _, _) in enumerate(rows) if call.tree is not None and not _tree_fits(call)]
+        for i, verdict in zip(on_host, super().accept_rows([rows[i] for i in on_host])):
+            verdicts[i] = verdict
         for kind, batch_of, decider, verdict_of in (("chains", chain_batch, decide, self._chain_verdict),
                                                     ("trees", tree_batch, decide_trees, self._tree_verdict)):
-            members = [i for i, (call, _, _) in enumerate(rows) if (call.tree is None) == (kind == "chains")]
+            members = [i for i, (call, _, _) in enumerate(rows)
+                       if (call.tree is None) == (kind == "chains") and i not in on_host]
             if not members:
                 continue
             try:
@@ -71,6 +76,12 @@ class DeviceVerifier(Verifier):
         scored_at = [0] + [node + 1 for node in path]  # the logits row of each emitted token
         return Verdict(len(path), token, is_bonus, [], len(entry), self.runner.take_restored(call.session_id),
                        self._logprobs(call, logits, emitted, scored_at), tuple(path))
+
+
+def _tree_fits(call: VerifyCall) -> bool:
+    """Whether the device step takes this tree (batched_tree_acceptance.fits_on_device)."""
+    assert call.tree is not None
+    return fits_on_device(call.tree, call.draft_q)
 
 
 def _own(verdict_of, row: Forwarded, decision: tuple) -> Verdict | Exception:
@@ -104,25 +115,16 @@ def chain_batch(rows: Sequence[Forwarded], device: torch.device) -> ChainBatch:
 
 
 def tree_batch(rows: Sequence[Forwarded], device: torch.device) -> TreeBatch:
-    """The padded batch of trees: their layout, p warped per sampling setting, each node's q
-    padded to one width, each row's n + 1 uniforms from its own seed (none for greedy rows)."""
+    """The batch of trees: their layout and q (batched_tree_acceptance.tree_layout), p warped
+    per sampling setting, each row's n + 1 uniforms from its own seed (none for greedy rows)."""
     trees = [call.tree for call, _, _ in rows]
     assert all(tree is not None for tree in trees)
-    layout = tree_layout(trees)
-    nodes = layout.tokens.shape[1]
-    width = max((len(ids) for call, _, _ in rows if call.draft_q is not None for ids in call.draft_q.ids), default=1)
-    q_ids = torch.zeros((len(rows), nodes, width), dtype=torch.long)  # [R, N, K]
-    q_probs = torch.zeros((len(rows), nodes, width))  # [R, N, K]
-    for r, (call, _, _) in enumerate(rows):
-        if call.draft_q is not None:
-            for i, (ids, probs) in enumerate(zip(call.draft_q.ids, call.draft_q.probs)):
-                q_ids[r, i, :len(ids)], q_probs[r, i, :len(ids)] = ids, probs
+    layout = tree_layout(trees, [call.draft_q for call, _, _ in rows])
     greedy = [call.params.greedy for call, _, _ in rows]
     generators = [None if g else make_generator(call.seed, device) for g, (call, _, _) in zip(greedy, rows)]
-    return TreeBatch(warped_probs(rows, device), _upload(layout.tokens, device), _upload(layout.children, device),
-                     _upload(layout.sizes, device), layout.widths, _upload(q_ids, device), _upload(q_probs, device),
+    return TreeBatch(warped_probs(rows, device), layout.to(lambda t: _upload(t, device)),
                      _upload(torch.tensor(greedy), device),
-                     row_uniforms(generators, [len(tree) + 1 for tree in trees], device))
+                     row_uniforms(generators, [len(tree) + 1 for tree in trees], device), not all(greedy))
 
 
 def warped_probs(rows: Sequence[Forwarded], device: torch.device) -> torch.Tensor:
