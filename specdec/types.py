@@ -19,7 +19,7 @@ GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as in vLLM): 1/T
 
 class Proposer(StrEnum):
     """Where a round's proposed tokens come from. A request names one (AUTO lets the
-    coordinator pick per round); a round's source is one of the other three."""
+    coordinator pick per round); a round's source is one of the others."""
 
     AUTO = "auto"    # per round, whichever source the policy expects to pay most
     DRAFT = "draft"  # the draft model (the draft service)
@@ -27,6 +27,7 @@ class Proposer(StrEnum):
     # PROPOSER_NGRAM and the flags keep the old name "ngram"
     PROMPT_LOOKUP = "ngram"
     NONE = "none"    # no proposals: plain target decoding
+    HEADS = "heads"  # the target's Medusa-style heads, read in the round before (no model call)
 
 
 class CoreSharing(StrEnum):
@@ -182,6 +183,9 @@ class Verdict:
     restored_tokens: int = 0  # history tokens whose K/V were loaded from chunks, not run
     logprobs: tuple[TokenLogprobs, ...] = ()  # per committed token, when the call asked for them
     accepted_nodes: tuple[int, ...] = ()  # a tree's accepted nodes, root's child first (empty: a chain's prefix)
+    # per head, head 1 first: its top candidates for the position k past next_token (empty:
+    # none asked for, or a target without heads)
+    head_proposals: tuple["SparseDist", ...] = ()
 
     def committed(self, draft_tokens: list[int]) -> list[int]:
         """The tokens this round commits: accepted drafts (a tree's accepted path) plus the
@@ -206,3 +210,6 @@ class ModelDescription:
     max_speculative_tokens: int
     cpu: CpuPlacement | None = None  # where its forwards run on a CPU (None: on an accelerator)
     verifies_trees: bool = False  # a target that takes draft_parents (a tree of drafts) in Verify
+    num_heads: int = 0  # a target's Medusa-style heads (--heads); 0: none
+    heads_id: str = ""  # their identity (a digest of their file) while num_heads > 0
+    checkpoint_id: str = ""  # the identity of the checkpoint's files (specdec/checkpoint.py); "": a hub id

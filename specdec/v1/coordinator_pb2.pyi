@@ -15,11 +15,13 @@ class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_DRAFT: _ClassVar[Proposer]
     PROPOSER_NGRAM: _ClassVar[Proposer]
     PROPOSER_NONE: _ClassVar[Proposer]
+    PROPOSER_HEADS: _ClassVar[Proposer]
 PROPOSER_UNSPECIFIED: Proposer
 PROPOSER_AUTO: Proposer
 PROPOSER_DRAFT: Proposer
 PROPOSER_NGRAM: Proposer
 PROPOSER_NONE: Proposer
+PROPOSER_HEADS: Proposer
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

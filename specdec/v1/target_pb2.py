@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"b\n TargetServiceGetModelInfoRequest\x12#\n\x16\x66ingerprint_vocab_size\x18\x01 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_fingerprint_vocab_size\"H\n!TargetServiceGetModelInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\xbe\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x13\n\x0bprefix_hash\x18\x08 \x01(\x04\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x19\n\x0ctop_logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rdraft_parents\x18\x0b \x03(\x05\x42\x0f\n\r_top_logprobs\"\xd4\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x10\n\x08is_bonus\x18\x03 \x01(\x08\x12\x14\n\x0c\x61\x63\x63\x65pt_probs\x18\x04 \x03(\x02\x12\x12\n\ncached_len\x18\x05 \x01(\x05\x12\x17\n\x0frestored_tokens\x18\x06 \x01(\x05\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x08 \x03(\x05\"f\n\x13VerifyStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12*\n\x07request\x18\x02 \x01(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\x90\x01\n\x14VerifyStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponseH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.StreamCallErrorH\x00\x42\t\n\x07outcome\"1\n\x1bTargetServiceReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"0\n\x1cTargetServiceReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf2\x02\n\rTargetService\x12k\n\x0cGetModelInfo\x12,.specdec.v1.TargetServiceGetModelInfoRequest\x1a-.specdec.v1.TargetServiceGetModelInfoResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12U\n\x0cVerifyStream\x12\x1f.specdec.v1.VerifyStreamRequest\x1a .specdec.v1.VerifyStreamResponse(\x01\x30\x01\x12\\\n\x07Release\x12\'.specdec.v1.TargetServiceReleaseRequest\x1a(.specdec.v1.TargetServiceReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"b\n TargetServiceGetModelInfoRequest\x12#\n\x16\x66ingerprint_vocab_size\x18\x01 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_fingerprint_vocab_size\"H\n!TargetServiceGetModelInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\xd7\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x13\n\x0bprefix_hash\x18\x08 \x01(\x04\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x19\n\x0ctop_logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rdraft_parents\x18\x0b \x03(\x05\x12\x17\n\x0fhead_candidates\x18\x0c \x01(\x05\x42\x0f\n\r_top_logprobs\"\x8c\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x10\n\x08is_bonus\x18\x03 \x01(\x08\x12\x14\n\x0c\x61\x63\x63\x65pt_probs\x18\x04 \x03(\x02\x12\x12\n\ncached_len\x18\x05 \x01(\x05\x12\x17\n\x0frestored_tokens\x18\x06 \x01(\x05\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x08 \x03(\x05\x12\x36\n\x0ehead_proposals\x18\t \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"f\n\x13VerifyStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12*\n\x07request\x18\x02 \x01(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\x90\x01\n\x14VerifyStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponseH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.StreamCallErrorH\x00\x42\t\n\x07outcome\"1\n\x1bTargetServiceReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"0\n\x1cTargetServiceReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf2\x02\n\rTargetService\x12k\n\x0cGetModelInfo\x12,.specdec.v1.TargetServiceGetModelInfoRequest\x1a-.specdec.v1.TargetServiceGetModelInfoResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12U\n\x0cVerifyStream\x12\x1f.specdec.v1.VerifyStreamRequest\x1a .specdec.v1.VerifyStreamResponse(\x01\x30\x01\x12\\\n\x07Release\x12\'.specdec.v1.TargetServiceReleaseRequest\x1a(.specdec.v1.TargetServiceReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETSERVICEGETMODELINFORESPONSE']._serialized_start=164
   _globals['_TARGETSERVICEGETMODELINFORESPONSE']._serialized_end=236
   _globals['_VERIFYREQUEST']._serialized_start=239
-  _globals['_VERIFYREQUEST']._serialized_end=557
-  _globals['_VERIFYRESPONSE']._serialized_start=560
-  _globals['_VERIFYRESPONSE']._serialized_end=772
-  _globals['_VERIFYSTREAMREQUEST']._serialized_start=774
-  _globals['_VERIFYSTREAMREQUEST']._serialized_end=876
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=879
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1023
-  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_start=1025
-  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_end=1074
-  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_start=1076
-  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_end=1124
-  _globals['_TARGETSERVICE']._serialized_start=1127
-  _globals['_TARGETSERVICE']._serialized_end=1497
+  _globals['_VERIFYREQUEST']._serialized_end=582
+  _globals['_VERIFYRESPONSE']._serialized_start=585
+  _globals['_VERIFYRESPONSE']._serialized_end=853
+  _globals['_VERIFYSTREAMREQUEST']._serialized_start=855
+  _globals['_VERIFYSTREAMREQUEST']._serialized_end=957
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=960
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1104
+  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_start=1106
+  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_end=1155
+  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_start=1157
+  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_end=1205
+  _globals['_TARGETSERVICE']._serialized_start=1208
+  _globals['_TARGETSERVICE']._serialized_end=1578
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ class TargetServiceGetModelInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "new_tokens", "draft_tokens", "draft_probs", "sampling", "seed", "prefix_hash", "cache_salt", "top_logprobs", "draft_parents")
+    __slots__ = ("session_id", "prefix_len", "new_tokens", "draft_tokens", "draft_probs", "sampling", "seed", "prefix_hash", "cache_salt", "top_logprobs", "draft_parents", "head_candidates")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class VerifyRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -43,10 +44,11 @@ class VerifyRequest(_message.Message):
     cache_salt: str
     top_logprobs: int
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    head_candidates: int
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., cache_salt: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., head_candidates: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "is_bonus", "accept_probs", "cached_len", "restored_tokens", "logprobs", "accepted_nodes")
+    __slots__ = ("num_accepted", "next_token", "is_bonus", "accept_probs", "cached_len", "restored_tokens", "logprobs", "accepted_nodes", "head_proposals")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IS_BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class VerifyResponse(_message.Message):
     RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     is_bonus: bool
@@ -63,7 +66,8 @@ class VerifyResponse(_message.Message):
     restored_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., accept_probs: _Optional[_Iterable[float]] = ..., cached_len: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    head_proposals: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., accept_probs: _Optional[_Iterable[float]] = ..., cached_len: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., head_proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyStreamRequest(_message.Message):
     __slots__ = ("call_id", "request", "timeout_ms")

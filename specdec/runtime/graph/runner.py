@@ -18,6 +18,8 @@ What this module decides:
   sequences are recycled).
 - K/V chunks (--prefix-cache-bytes, --kv-store) read and append a session's rows in the pool:
   the layout is the torch engine's, keyed for this engine (engine "graph").
+- A target's heads (--heads) share the model's head matrix (`GraphModel.logits`) and read the
+  final-norm hidden states every forward leaves beside its logits (`forward_hidden`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from specdec.runtime.device_drafting import DeviceDrafting
 from specdec.runtime.device_verification import DeviceVerifier
 from specdec.runtime.engine import SessionEngine
 from specdec.runtime.session_runner import Row
+from specdec.runtime.target_heads import TargetHeads
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
 
@@ -128,6 +131,9 @@ class PagedSessionRunner(SessionEngine):
             cpu=this_placement(torch.get_num_threads()) if self.device.type == "cpu" else None,
             verifies_trees=True,
         )
+        self.heads = TargetHeads.of(loaded.heads, self.model.logits)
+        if self.heads is not None:
+            self.description = self.heads.describe(self.description)
         log.info("%s: graph engine, paged K/V pool of %d blocks x %d tokens (%d bytes per token)",
                  loaded.model_id, self.kv.num_blocks, block_size, self.kv_spec.bytes_per_token)
 
@@ -247,10 +253,20 @@ class PagedSessionRunner(SessionEngine):
         per row, float32 logits of its last keep_logits positions -> [keep_logits, vocab].
         RESOURCE_EXHAUSTED, nothing appended, when the pool cannot hold the rows even after
         evicting every other session."""
+        return self._run(rows, False)[0]
+
+    def forward_hidden(self, rows: Sequence[Row]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """forward_batch, and per row the final-norm hidden states of the same positions
+        -> [keep_logits, hidden] in the model's dtype (what the heads read)."""
+        return self._run(rows, True)
+
+    def _run(self, rows: Sequence[Row], hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward of forward_batch: per row its logits and, when `hidden`, its hidden states."""
         self._make_room(rows)
         inputs = [RowInput(row.entry.kv.pool_id, list(row.tokens), row.keep_logits, row.tree) for row in rows]
         try:
-            logits = self.graph.forward(inputs)  # per row [keep_logits, vocab]; rolled back on failure
+            # per row [keep_logits, vocab] (and [keep_logits, hidden]); rolled back on failure
+            logits, states = self.graph.forward_hidden(inputs) if hidden else (self.graph.forward(inputs), [])
         except torch.OutOfMemoryError as exc:
             tokens = sum(len(row.tokens) for row in rows)
             raise ResourceExhausted(f"out of device memory running {tokens} tokens: {exc}") from exc
@@ -258,7 +274,7 @@ class PagedSessionRunner(SessionEngine):
             row.entry.append(row.tokens)
             self.caches.account(row.entry)
             self.tokens_run += len(row.tokens)
-        return [row_logits.float() for row_logits in logits]
+        return [row_logits.float() for row_logits in logits], states
 
     # ---- K/V chunks (kv_tier.py) --------------------------------------------------------------
 
