@@ -93,8 +93,8 @@ def pooled_pvalue(first: torch.Tensor, second: torch.Tensor, p_root: torch.Tenso
 @pytest.mark.parametrize("proposal", ["one-hot", "drawn-from-q", "all-rejected"])
 def test_sampled_walks_follow_p_over_the_first_two_tokens(proposal):
     """Three children of the root, a grandchild under the first; p at a node depends on its
-    token alone (p_after), as the target's next round after that token would. one-hot: children are the draft's top tokens (q one-hot);
-    drawn-from-q: each child drawn from its own q independently (q not one-hot, children may
+    token alone (p_after), as the target's next round after that token would. one-hot:
+    children are the draft's top tokens (q one-hot); drawn-from-q: each child drawn from its own q independently (q not one-hot, children may
     repeat); all-rejected: p at the root is zero on every child's token."""
     rows = 12_000
     g = torch.Generator().manual_seed(11)

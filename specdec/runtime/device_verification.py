@@ -7,9 +7,10 @@ batched_acceptance.decide and its trees with batched_tree_acceptance.decide_tree
 the largest of each: one host read per kind for the accepted counts (paths), the next tokens
 and the ratios. The log-probabilities a call may ask for are computed after, on the host, as
 there, and so is a tree whose q rows are too wide for the device step (MAX_POINTS in
-batched_tree_acceptance.py: q rows near a vocabulary wide, which no draft of ours sends). The rule is the same; the draws differ from the host verifier's (inverse-CDF against
-multinomial), so a seeded request reproduces on the same engine, and follows the target's
-distribution on every engine.
+batched_tree_acceptance.py: q rows near a vocabulary wide, which no draft of ours sends). The
+rule is the same; the draws differ from the host verifier's (inverse-CDF against multinomial),
+so a seeded request reproduces on the same engine, and follows the target's distribution on
+every engine.
 """
 
 from __future__ import annotations
