@@ -36,7 +36,8 @@ Rows: a draft step (Propose γ=1), a Propose of γ=4 (the per-step cost is the d
 a target step (a Verify with no drafts, as a target-only round sends), Verify of each --gammas
 drafts (rejected: a round of a random draft), a Verify of a --tree-nodes tree, a Propose of such a
 tree 4 deep (the draft grows it one forward per depth), and sampled
-(temperature 1) calls: Propose γ=4, a target step, Verify γ=4. Each row at each --histories length: counts that grow
+(temperature 1) calls: Propose γ=4, a target step, Verify γ=4, Verify of the tree (its q
+one-hot, as a rank-picked tree's). Each row at each --histories length: counts that grow
 with the history are per-call work that grows with the context. Models: `tiny` (specdec_cli.tiny's
 llama, width 32, 2 layers, float32) and `qwen-small` (Qwen2.5-0.5B's shape — hidden 896, 14
 heads, 2 K/V heads, MLP 4864, vocabulary 151,936 — with 2 layers instead of 24, bfloat16,
@@ -328,6 +329,8 @@ def row_specs(gammas: list[int], tree_nodes: int) -> list[RowSpec]:
         rows.append(RowSpec(f"propose tree γ=4 n={tree_nodes}", "draft", 4, tree_nodes=tree_nodes))
     rows += [RowSpec("propose γ=4 sampled", "draft", 4, 1.0), RowSpec("target step sampled", "target", 0, 1.0),
              RowSpec("verify γ=4 sampled", "target", 4, 1.0)]
+    if tree_nodes:
+        rows.append(RowSpec(f"verify tree n={tree_nodes} sampled", "target", tree_nodes, 1.0, tree=True))
     return rows
 
 
