@@ -175,20 +175,23 @@ def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(dra
     the device's draws are inverse-CDF, the host's multinomial)."""
     engine, device = draft
     host = ModelProposer(engine, K)
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=3, top_p=0.8)):
+    # greedy: a tree 6 deep, whose window (20 nodes) is past the buckets' 16: forwards in their own
+    # shape; sampled: 5 trees, forwards padded to a bucket of 8 rows
+    for params, shapes in ((SamplingParams(temperature=0.0), ((2, 4), (6, 8), (3, 3), (1, 2))),
+                           (SamplingParams(temperature=1.3, top_k=3, top_p=0.8), ((2, 4), (4, 8), (3, 3), (1, 2), (2, 5)))):
         outcomes = []
         for drafting in (device, host):
             calls = [drafting.call(f"t{i}", 0, 0, PROMPT + [i], gamma, params, 5 + i, tree_nodes=nodes)
-                     for i, (gamma, nodes) in enumerate(((2, 4), (4, 8), (3, 3), (1, 2), (3, 0)))]
+                     for i, (gamma, nodes) in enumerate(shapes + ((3, 0),))]
             loops = device.tree_loops
             proposals = drafting.propose_batch(calls)
             outcomes.append([(p.draft_tokens, p.parents, p.cached_len) for p in proposals])
             for call in calls:
                 engine.release(call.session_id)
-        compared = len(outcomes[0]) if params.greedy else 4
+        compared = len(outcomes[0]) if params.greedy else len(shapes)
         assert outcomes[0][:compared] == outcomes[1][:compared], params
         assert device.tree_loops == loops  # the host loop's run did not reach the device's
-        assert all(parents for _, parents, _ in outcomes[0][:4]) and not outcomes[0][4][1]
+        assert all(parents for _, parents, _ in outcomes[0][:-1]) and not outcomes[0][-1][1]
     assert device.tree_loops > 0
 
 

@@ -208,7 +208,7 @@ class PagedSessionRunner(SessionEngine):
                                     upload([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device),
                                     RowWarps.of(params).to(device), params)
             with torch.inference_mode():
-                return run_tree_loop(self.model, self.kv.pools, inputs, depths)
+                return run_tree_loop(self.graph.forward_on_device, inputs, depths)
         finally:
             for pool_id, length in zip(pool_ids, bases):
                 self.kv.truncate(pool_id, length)

@@ -14,14 +14,17 @@ What this module decides:
   loop). The tokens come from the selection, and each node's window row (itself and its
   ancestors among the tree's slots) is its parent's row plus its own slot, built on the device.
 - The kept children of every depth stay on the device; the caller reads them back once
-  (`TreeOutputs`, [C, S, TREE_WIDTH, 4]): the round's one host synchronisation. It runs eagerly
-  (on CUDA too: not captured yet).
+  ([C, S, TREE_WIDTH, 4]): the round's one host synchronisation.
+- Each depth's forward goes through the engine's buckets (`GraphRunner.forward_on_device`: the
+  batch padded on the device, a captured graph replayed on CUDA for windows up to its 16 nodes,
+  i.e. trees up to 5 deep; eager in the bucket's shape on a CPU, the same code); the selections
+  between them are launched eagerly: the loop as a whole is not one captured graph yet.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -29,7 +32,6 @@ from specdec.maths.tree import TREE_WIDTH
 from specdec.runtime.batched_proposal import RowWarps
 from specdec.runtime.batched_tree_drafting import DepthInputs, next_inputs, pick_depth
 from specdec.runtime.graph.batch import ForwardBatch
-from specdec.runtime.graph.model import GraphModel
 from specdec.types import SamplingParams
 
 
@@ -50,10 +52,11 @@ def expanded(warps: RowWarps, times: int) -> RowWarps:
     return RowWarps(*(getattr(warps, f.name)[:, None].expand(-1, times).reshape(-1) for f in fields(RowWarps)))
 
 
-def run_tree_loop(model: GraphModel, pools: list[torch.Tensor], inputs: TreeLoopInputs, depths: int) -> torch.Tensor:
+def run_tree_loop(forward: Callable[[ForwardBatch], torch.Tensor], inputs: TreeLoopInputs, depths: int) -> torch.Tensor:
     """The loop (module docstring) -> [C, depths, TREE_WIDTH, 4] float64 on the device: per depth
     and slot `select`'s (valid, pool index, token, path score), the pool's frontier rows being
-    the previous depth's slots (the root at depth 1)."""
+    the previous depth's slots (the root at depth 1). forward: a ForwardBatch built on the device
+    -> its logits [C, TREE_WIDTH, vocab] (GraphRunner.forward_on_device)."""
     n = TREE_WIDTH
     logits = inputs.first_logits[:, None]  # [C, F, vocab], F = 1 at depth 1
     C, _, vocab = logits.shape
@@ -86,5 +89,5 @@ def run_tree_loop(model: GraphModel, pools: list[torch.Tensor], inputs: TreeLoop
         tokens = torch.where(state.live, kept[..., 2].long(), 0)  # [C, n]
         step = ForwardBatch(tokens, positions, inputs.slots[:, d - 1], first + columns, inputs.block_tables,
                             first[:, 0] + n, inputs.base, rows_seen)
-        logits = model.forward(step, pools).float()  # [C, n, vocab]
+        logits = forward(step).float()  # [C, n, vocab]
     return torch.stack(kept_all, dim=1)
