@@ -188,6 +188,8 @@ def test_greedy_chains_through_graph_services_equal_the_hf_model(graph_cluster, 
 
 @pytest.mark.e2e
 def test_greedy_trees_grown_and_verified_on_the_graph_engine(graph_cluster, expected):
+    drafting = graph_cluster.draft_servicer.drafting
+    loops = drafting.tree_loops
     decided = dict(graph_cluster.target_servicer.verification.decided)
     for gamma, nodes in ((2, 4), (3, 6), (4, 8)):
         for prompt in PROMPTS[:2]:
@@ -195,13 +197,15 @@ def test_greedy_trees_grown_and_verified_on_the_graph_engine(graph_cluster, expe
                                               num_speculative_tokens=gamma, tree_nodes=nodes, proposer=DRAFT)
             assert list(response.token_ids) == expected[prompt], (gamma, nodes, prompt)
             assert response.stats.tree_rounds > 0
+    assert drafting.tree_loops > loops  # grown by the device loop (graph/tree_loop.py)
     # every tree was decided on the device (batched_tree_acceptance.py), not by the host walk
     assert graph_cluster.target_servicer.verification.decided["trees"] > decided["trees"]
 
 
 @pytest.mark.e2e
 def test_concurrent_sessions_batched_each_get_their_own_output(graph_cluster, expected):
-    jobs = [(prompt, gamma, nodes) for prompt in PROMPTS for gamma, nodes in ((2, 0), (4, 0), (3, 6))]
+    jobs = [(prompt, gamma, nodes) for prompt in PROMPTS for gamma, nodes in ((2, 0), (4, 0), (3, 6), (2, 4))]
+    loops = graph_cluster.draft_servicer.drafting.tree_loops
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         done = list(pool.map(lambda job: graph_cluster.complete(
             prompt=job[0], max_new_tokens=NEW_TOKENS, num_speculative_tokens=job[1], tree_nodes=job[2],
@@ -210,6 +214,7 @@ def test_concurrent_sessions_batched_each_get_their_own_output(graph_cluster, ex
         assert list(response.token_ids) == expected[job[0]], job
     target = graph_cluster.target_servicer.engine
     assert target.graph.eager_runs > 0 and target.tokens_run > 0
+    assert graph_cluster.draft_servicer.drafting.tree_loops > loops  # trees grown by the device loop
 
 
 @pytest.mark.e2e

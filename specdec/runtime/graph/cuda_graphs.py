@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.runtime.graph.batch import BatchShape, ForwardBatch, RowInput, build_batch, check_rows, needed_shape
+from specdec.runtime.graph.batch import (BatchShape, ForwardBatch, RowInput, build_batch, check_rows, needed_shape,
+                                         pad_batch)
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV
 
@@ -159,6 +160,30 @@ class GraphRunner:
         """forward, and per row the final-norm hidden states of the same tokens -> [keep_logits,
         hidden] in the model's dtype."""
         return self._run(rows, True)
+
+    @torch.inference_mode()
+    def forward_on_device(self, batch: ForwardBatch) -> torch.Tensor:
+        """A forward whose inputs are built on the device (the draft's tree loop: its tokens and
+        tree windows come from the device) in its exact shape, its slots allocated by the caller:
+        padded there to the smallest bucket that holds it and replayed where captured (eager in
+        the bucket's shape otherwise; in its own shape past the largest) -> logits [R, Q, vocab]
+        in the model's dtype; a captured bucket's own output, which its next replay overwrites."""
+        shape = self.bucket_for(batch.shape)
+        if shape is None:
+            self.eager_runs += 1
+            return self.model.forward(batch, self.kv.pools)
+        padded = pad_batch(batch, shape, NULL_BLOCK * self.kv.spec.block_size)
+        captured = self.graphs.get(shape)
+        if captured is None:
+            self.eager_runs += 1
+            logits = self.model.forward(padded, self.kv.pools)  # [R', Q', vocab]
+        else:
+            padded.copy_into(captured.inputs)
+            captured.graph.replay()
+            self.replays += 1
+            logits = captured.logits  # [R', Q', vocab]
+        rows, tokens = batch.tokens.shape
+        return logits[:rows, logits.shape[1] - tokens:]
 
     @torch.inference_mode()
     def _run(self, rows: Sequence[RowInput], with_hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

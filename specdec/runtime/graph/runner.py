@@ -36,9 +36,10 @@ from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.graph.batch import RowInput
 from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
-from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs
+from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs, upload
+from specdec.runtime.graph.tree_loop import TreeLoopInputs, run_tree_loop
 from specdec.runtime.graph.model import GraphModel
-from specdec.runtime.graph.paged_kv import PagedKV, blocks_for, budget_bytes
+from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV, blocks_for, budget_bytes
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
 from specdec.runtime.batched_proposal import RowWarps
@@ -48,7 +49,8 @@ from specdec.runtime.engine import SessionEngine
 from specdec.runtime.session_runner import Row
 from specdec.runtime.target_heads import TargetHeads
 from specdec.tokenizer import tokenizer_fingerprint
-from specdec.types import ModelDescription
+from specdec.maths.tree import TREE_WIDTH
+from specdec.types import ModelDescription, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +184,34 @@ class PagedSessionRunner(SessionEngine):
             for pool_id, length in zip(pool_ids, positions):
                 self.kv.truncate(pool_id, length)
             raise
+
+    def tree_steps(self, sessions: Sequence[tuple[str, SessionCache]], first_logits: torch.Tensor, depths: int,
+                   params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Grow each session's tree `depths` deep after its first forward, on the device
+        (graph/tree_loop.py): first_logits [C, vocab] there -> each depth's kept children
+        [C, depths, TREE_WIDTH, 4] there. The sessions then hold their histories only, as
+        before. RESOURCE_EXHAUSTED, nothing appended, when the pool cannot hold the nodes run."""
+        runs = TREE_WIDTH * (depths - 1)  # node slots run, every depth but the last
+        pool_ids = [entry.kv.pool_id for _, entry in sessions]
+        bases = [self.kv.length(pool_id) for pool_id in pool_ids]
+        if runs:
+            self._make_room([Row(session_id, entry, [0] * runs, 1) for session_id, entry in sessions])
+            self.kv.reserve({pool_id: runs for pool_id in pool_ids})  # all or nothing
+        try:
+            slots = [self.kv.append(pool_id, runs) if runs else [] for pool_id in pool_ids]
+            self.tokens_run += len(pool_ids) * runs
+            tables = [self.kv.block_table(pool_id) for pool_id in pool_ids]
+            width = max(len(table) for table in tables)
+            device = self.device
+            inputs = TreeLoopInputs(first_logits, upload(bases, device),
+                                    upload(slots, device).view(len(slots), max(0, depths - 1), TREE_WIDTH),
+                                    upload([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device),
+                                    RowWarps.of(params).to(device), params)
+            with torch.inference_mode():
+                return run_tree_loop(self.graph.forward_on_device, inputs, depths)
+        finally:
+            for pool_id, length in zip(pool_ids, bases):
+                self.kv.truncate(pool_id, length)
 
     def keep_drafts(self, entry: SessionCache, held: int, drafts: Sequence[int]) -> None:
         """After draft_steps: the session holds its `held` tokens then `drafts` (the ones run
