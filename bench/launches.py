@@ -34,8 +34,10 @@ Per call:
 
 Rows: a draft step (Propose γ=1), a Propose of γ=4 (the per-step cost is the difference over 3),
 a target step (a Verify with no drafts, as a target-only round sends), Verify of each --gammas
-drafts (rejected: a round of a random draft), a Verify of a --tree-nodes tree, and sampled
-(temperature 1) calls: Propose γ=4, a target step, Verify γ=4. Each row at each --histories length: counts that grow
+drafts (rejected: a round of a random draft), a Verify of a --tree-nodes tree, a Propose of such a
+tree 4 deep (the draft grows it one forward per depth), and sampled
+(temperature 1) calls: Propose γ=4, a target step, Verify γ=4, Verify of the tree (its q
+one-hot, as a rank-picked tree's). Each row at each --histories length: counts that grow
 with the history are per-call work that grows with the context. Models: `tiny` (specdec_cli.tiny's
 llama, width 32, 2 layers, float32) and `qwen-small` (Qwen2.5-0.5B's shape — hidden 896, 14
 heads, 2 K/V heads, MLP 4864, vocabulary 151,936 — with 2 layers instead of 24, bfloat16,
@@ -293,11 +295,12 @@ class Rows:
             return verdict
         return run
 
-    def propose(self, session: Session, gamma: int, temperature: float = 0.0) -> Callable[[], Any]:
+    def propose(self, session: Session, gamma: int, temperature: float = 0.0, tree: int = 0) -> Callable[[], Any]:
         from specdec.types import SamplingParams
 
         call = self.proposer.call(session.name, len(session.held), session.hashes.at(len(session.held)),
-                                  [session.next], gamma, SamplingParams(temperature=temperature), 7)
+                                  [session.next], gamma, SamplingParams(temperature=temperature), 7,
+                                  tree_nodes=tree)
 
         def run() -> Any:
             proposal = self.proposer.propose_batch([call])[0]
@@ -313,7 +316,8 @@ class RowSpec:
     service: str        # "draft" | "target"
     gamma: int          # draft steps (draft) or drafts verified (target)
     temperature: float = 0.0
-    tree: bool = False
+    tree: bool = False  # target: verify a tree of `gamma` nodes
+    tree_nodes: int = 0  # draft: grow a tree of this many nodes, `gamma` deep
 
 
 def row_specs(gammas: list[int], tree_nodes: int) -> list[RowSpec]:
@@ -322,8 +326,11 @@ def row_specs(gammas: list[int], tree_nodes: int) -> list[RowSpec]:
     rows += [RowSpec(f"verify γ={g}", "target", g) for g in gammas]
     if tree_nodes:
         rows.append(RowSpec(f"verify tree n={tree_nodes}", "target", tree_nodes, tree=True))
+        rows.append(RowSpec(f"propose tree γ=4 n={tree_nodes}", "draft", 4, tree_nodes=tree_nodes))
     rows += [RowSpec("propose γ=4 sampled", "draft", 4, 1.0), RowSpec("target step sampled", "target", 0, 1.0),
              RowSpec("verify γ=4 sampled", "target", 4, 1.0)]
+    if tree_nodes:
+        rows.append(RowSpec(f"verify tree n={tree_nodes} sampled", "target", tree_nodes, 1.0, tree=True))
     return rows
 
 
@@ -334,7 +341,7 @@ def measure_row(rows: Rows, spec: RowSpec, repeats: int, warmup: int = 2) -> Cou
 
     def one_call() -> Callable[[], Any]:
         if spec.service == "draft":
-            return rows.propose(session, spec.gamma, spec.temperature)
+            return rows.propose(session, spec.gamma, spec.temperature, spec.tree_nodes)
         return rows.verify(session, spec.gamma, spec.temperature, spec.tree)
 
     def step(result: Any) -> None:

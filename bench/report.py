@@ -12,6 +12,7 @@ from coordinator.policy.estimates import leviathan_speedup
 TARGET_ONLY = "specdec target-only"
 AUTO = "specdec auto"
 LOOKUP = "specdec prompt lookup"
+HEADS = "specdec heads"  # proposer heads: the target's Medusa-style heads (bench/speedup.py --heads)
 DRAFT_PREFIX = "specdec draft γ="
 TREE_PREFIX = "specdec tree γ="  # "specdec tree γ=4 n=8": draft rounds of a tree of 8 tokens, 4 deep
 HF_PREFIX = "hf "

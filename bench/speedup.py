@@ -9,6 +9,7 @@ Usage:
   python bench/speedup.py --tree on                        # token-tree rows beside the chains
   python bench/speedup.py --tree auto                      # the coordinator's --trees auto: the policy chooses
   python bench/speedup.py --no-hf --methods auto --prompts email-formal,lru-cache   # auto alone, in that order
+  python bench/speedup.py --heads DIR                      # the target serves Medusa-style heads: a heads row
 
 Ten chat prompts in five kinds (bench/prompts.py), greedy, --max-new-tokens (default 128)
 each, EOS ignored so every method generates the same number of tokens. Side by side in one
@@ -37,6 +38,9 @@ while, as a serving one has. --tree on adds rows of fixed token trees (tree γ=G
 with trees of 8 nodes; --tree auto starts the coordinator with --trees auto, so auto's rounds
 are trees where its cost model expects them to pay, beside auto held to chains (tree_nodes=1).
 Each prompt's line and the second table give tokens per target pass beside the speed-up.
+--heads DIR serves the target with those heads (`specdec distill --heads K` writes them) and
+adds the row "specdec heads" (proposer heads: every round a tree of the heads' candidates, no
+draft call); auto may then choose heads rounds too.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ AUTO_TREE_NODES = 8  # auto's rows with --tree on: adaptive γ, trees of this ma
 AUTO_CHAINS = f"{report.AUTO} chains"  # --tree auto: auto held to chains (tree_nodes = 1), beside auto
 
 
-def specdec_methods(quick: bool, tree: str = "off") -> dict[str, dict]:
+def specdec_methods(quick: bool, tree: str = "off", heads: bool = False) -> dict[str, dict]:
     """name -> the GenerateRequest fields that select it."""
     pb = coordinator_pb2
     out = {report.TARGET_ONLY: {"proposer": pb.PROPOSER_NONE},
@@ -86,6 +90,8 @@ def specdec_methods(quick: bool, tree: str = "off") -> dict[str, dict]:
                                                     "tree_nodes": AUTO_TREE_NODES}
     if tree == "auto":  # the coordinator runs --trees auto: auto's own row chooses trees
         out[AUTO_CHAINS] = {"proposer": pb.PROPOSER_AUTO, "tree_nodes": 1}
+    if heads:  # the target serves heads: rounds of their candidates' tree, no draft call
+        out[report.HEADS] = {"proposer": pb.PROPOSER_HEADS}
     return out
 
 
@@ -149,6 +155,8 @@ def start_services(draft: str, target: str, args) -> subprocess.Popen:
     command = [sys.executable, "-m", "specdec_cli", "up", "--port", str(args.port), "--dtype", args.dtype,
                "--device", args.device, "--draft-model", draft, "--target-model", target,
                "--draft-quantize", args.draft_quantize, "--http-port", "0"]
+    if args.heads:
+        command += ["--target-heads", args.heads]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
     wait_healthy(f"127.0.0.1:{args.port}", 900, [proc])
     return proc
@@ -190,6 +198,9 @@ def main() -> int:
                         help="on: rows of draft rounds proposing token trees (tree γ=G n=N) and auto with trees; "
                              "auto: the coordinator's --trees auto (auto's rounds are trees where they pay), "
                              "beside auto held to chains")
+    parser.add_argument("--heads", default="",
+                        help="a heads directory the target serves (specdec distill --heads K): adds the "
+                             "'heads' row (proposer heads)")
     parser.add_argument("--llama-server", default="",
                         help="a llama-server binary: llama.cpp's server on the same GGUF files, plain and "
                              "with the draft, as peers (ports --port+3, --port+4)")
@@ -222,7 +233,7 @@ def main() -> int:
         tokenizer, hf_model, peers = hf_target.tokenizer, hf_target.model, hf_methods(hf_draft.model)
     if args.quick:
         peers.pop(next((m for m in peers if "γ=" in m), ""), None)
-    ours = select_methods(specdec_methods(args.quick, args.tree), args.methods)
+    ours = select_methods(specdec_methods(args.quick, args.tree, bool(args.heads)), args.methods)
     if args.llama_server and not (draft_path.endswith(".gguf") and target_path.endswith(".gguf")):
         raise SystemExit("bench/speedup.py: --llama-server needs .gguf files as --draft-model/--target-model")
     proc = start_services(draft_path, target_path, args)
@@ -273,7 +284,7 @@ def main() -> int:
     document = {"draft_model": draft_path, "target_model": target_path, "dtype": args.dtype,
                 "draft_quantize": args.draft_quantize,
                 "device": args.device, "threads": args.threads, "draft_ahead": args.draft_ahead,
-                "tree": args.tree, "settle": args.settle,
+                "tree": args.tree, "settle": args.settle, "heads": args.heads,
                 "max_new_tokens": args.max_new_tokens, "llama_server": args.llama_server,
                 "repeats": args.repeats,
                 "tiny": args.tiny, "quick": args.quick, "methods": method_names, "overall": totals,

@@ -12,7 +12,7 @@ them, commits and streams. Its wings (tests/test_layers.py holds each to what it
   (training records of finished requests), and `server.py`,
   which composes everything;
 * `coordinator.sources` — the proposal sources behind one interface (draft model, prompt
-  lookup, none);
+  lookup, the target's heads, none);
 * `coordinator.policy` — what each round does: the planner, the acceptance and cost estimates,
   the load governor and the draft-ahead trial;
 * `coordinator.sessions` — the session store, leases, replicas (discovery, routing, clients).

@@ -67,7 +67,7 @@ def request_limits(request: GenerationRequest, config: CoordinatorConfig,
     if name not in tuple(Proposer):
         raise InvalidArgument(
             f"proposer must be one of {', '.join(Proposer)} (PROPOSER_AUTO, PROPOSER_DRAFT, "
-            f"PROPOSER_NGRAM, PROPOSER_NONE), got {name!r}", Field.PROPOSER)
+            f"PROPOSER_NGRAM, PROPOSER_NONE, PROPOSER_HEADS), got {name!r}", Field.PROPOSER)
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
                               f"got {len(request.cache_salt)}", Field.CACHE_SALT)

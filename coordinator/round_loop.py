@@ -17,7 +17,7 @@ import time
 from typing import Any, AsyncIterator
 
 from specdec.config import CoordinatorConfig
-from specdec.errors import NotFound, ResourceExhausted, SpecdecError
+from specdec.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecdecError
 from specdec.fingerprint import PrefixHashes
 from specdec.logtag import session_tag
 from specdec.metrics import Metrics
@@ -31,11 +31,13 @@ from coordinator.policy.load_governor import LoadGovernor
 from coordinator.recording import Recorder
 from coordinator.sources.base import ProposalSource
 from coordinator.sources.draft_model import DraftModel
+from coordinator.sources.heads import TargetHeads
 from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
 from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult, TokenTimes
 from coordinator.sessions.routing import Routes, model_fingerprint
+from coordinator.policy.heads_estimates import HeadsAtHand
 from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
 from coordinator.sessions.store import Lease, SessionRecord, SessionStore
@@ -85,8 +87,9 @@ class RoundLoop:
                                       beside_verification=not tiers_compete(
                                           CoreSharing(config.tiers_share_cores), draft_info, target_info))
         self.prompt_lookup = PromptLookup(config.ngram_max, config.ngram_max_tokens)
+        self.heads = TargetHeads(config.head_candidates)
         self.sources: dict[Proposer, ProposalSource] = {
-            source.proposer: source for source in (self.draft_model, self.prompt_lookup, NoProposals())}
+            source.proposer: source for source in (self.draft_model, self.prompt_lookup, self.heads, NoProposals())}
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -136,6 +139,8 @@ class RoundLoop:
             raise ResourceExhausted(
                 f"{self.active} generations are running, the limit of this coordinator "
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
+        if mode.proposer == Proposer.HEADS:
+            self._check_heads()
         governed = is_governed(mode.proposer, mode.fixed_gamma)  # what the governor may switch
         times = TokenTimes(time.perf_counter())
         self.active += 1
@@ -163,6 +168,16 @@ class RoundLoop:
         finally:
             self.active -= 1
             self.adaptive -= governed
+
+    def _check_heads(self) -> None:
+        """`proposer=heads` needs a target replica that serves heads, and a coordinator that asks
+        for their proposals: FAILED_PRECONDITION otherwise, saying what to change."""
+        known = self.routes.targets.infos()
+        if known and not any(info.num_heads > 0 for info in known):
+            raise FailedPrecondition("the target serves no heads: start it with --heads DIR, or use proposer auto")
+        if self.config.head_candidates == 0:
+            raise FailedPrecondition("this coordinator asks the target for no heads' proposals "
+                                     "(--head-candidates 0): raise it, or use proposer auto")
 
     async def _run(self, request: GenerationRequest, record: SessionRecord, lease: Lease,
                    added: list[int], max_new: int, mode: SpeculationMode) -> AsyncIterator[Chunk]:
@@ -283,13 +298,13 @@ class RoundLoop:
             stages["draft"] = result.call_seconds
         stages["coordinator"] = max(0.0, now - result.started - sum(stages.values()))
         self.metrics.record_round(result.source if proposed else Proposer.NONE, proposed, accepted, stages,
-                                  tree=bool(result.parents))
+                                  tree=bool(result.parents) and result.source == Proposer.DRAFT)
 
     # ---- one round ----------------------------------------------------------------------------
 
     def _plan(self, run: RequestRun, spec: RequestSpeculation, cap: int, params: SamplingParams,
               rng: RequestRng) -> Round:
-        """The round's source and γ (at most `cap`): draft model, prompt lookup or none."""
+        """The round's source and γ (at most `cap`): draft model, prompt lookup, the heads or none."""
         started = time.perf_counter()
         record, stats = run.record, run.stats
         seeds = rng.round_seeds()
@@ -304,11 +319,34 @@ class RoundLoop:
         allowed = self.governor is None or self.governor.speculate(self.adaptive)
         lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
                   if spec.looks_up(cap, allowed) else NO_LOOKUP)
-        plan = spec.plan(lookup, cap, draft_up, allowed)
+        typical, heads = self._heads_at_hand(spec, record)
+        plan = spec.plan(lookup, cap, draft_up, allowed, heads)
+        candidates = (self.heads.candidates if typical is not None
+                      and spec.policy.wants_heads(spec.mode, typical, cap, spec.load) else 0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("session %s round: %s", session_tag(record.session_id), spec.describe(plan))
         return Round(run, spec, plan, len(record.token_ids), cap, params, rng, seeds,
-                     draft_up, allowed, started)
+                     draft_up, allowed, started, head_candidates=candidates)
+
+    def _heads_at_hand(self, spec: RequestSpeculation,
+                       record: SessionRecord) -> tuple[HeadsAtHand | None, HeadsAtHand | None]:
+        """Where the request may use the target's heads and the session's target replica serves
+        them: what a round of their proposals could be (None: no heads), and the proposals the
+        round before read (None: none at hand). The request plans with what is known of those
+        heads (their id); after planning, its policy says whether the round's Verify reads them
+        for the next (`SessionPolicy.wants_heads`)."""
+        target = self.routes.targets.info_of(record.target.address)
+        if not spec.uses_heads or target is None or target.num_heads <= 0:
+            return None, None
+        self.speculation.use_heads(spec, target.heads_id)
+        limit = min(self.config.max_num_speculative_tokens, target.max_speculative_tokens)
+        typical = HeadsAtHand(min(target.num_heads, limit), limit, self.heads.candidates, trees=target.verifies_trees)
+        at_hand = self.heads.at_hand(record.session_id, len(record.token_ids))
+        depth = min(self.heads.depth_at(record.session_id, len(record.token_ids)), limit)
+        if not depth:
+            return typical, None
+        width = max(len(dist.token_ids) for dist in at_hand[:depth])
+        return typical, HeadsAtHand(depth, limit, width, trees=target.verifies_trees)
 
     async def _round(self, run: RequestRun, spec: RequestSpeculation, cap: int, params: SamplingParams,
                      rng: RequestRng) -> RoundResult:
@@ -328,7 +366,7 @@ class RoundLoop:
         self.verifying_tokens += own
         batch_tokens = self.verifying_tokens  # this round's and the other generations' in flight
         try:
-            verdict = await self.calls.verify(run, tokens, proposal, params, rnd.seeds.target)
+            verdict = await self.calls.verify(run, tokens, proposal, params, rnd.seeds.target, rnd.head_candidates)
         except BaseException:
             for call in side:
                 await call.discard()
@@ -354,4 +392,4 @@ class RoundLoop:
             propose_seconds=drafts.propose_seconds, call_seconds=drafts.call_seconds, verify_seconds=verify_s,
             verified_tokens=verified, started=rnd.started, hints_kept=proposal.hints_kept,
             batch_tokens=batch_tokens, ahead=rnd.ahead, seconds=time.perf_counter() - rnd.started,
-            parents=proposal.parents, lookup_nodes=drafts.lookup_nodes)
+            parents=proposal.parents, lookup_nodes=drafts.lookup_nodes, base=base)

@@ -122,6 +122,7 @@ class Round:
     allowed: bool             # the load governor lets adaptive requests speculate now
     started: float            # time.perf_counter() when it began
     ahead: DraftAhead | None = None  # a draft round's --draft-ahead mode (None: not the trial's)
+    head_candidates: int = 0  # the heads' candidates its Verify asks for, for the next round (0: none)
 
 
 @dataclass
@@ -155,6 +156,7 @@ class RoundResult:
     seconds: float = 0.0               # the round's own time: plan, propose, verify (not the store write)
     parents: tuple[int, ...] = ()      # the drafts as a tree (as on the wire); (): a chain
     lookup_nodes: int = 0              # the tree's last nodes that are prompt lookup's grafted branches
+    base: int = 0                      # committed tokens when the round began
 
     @property
     def tree(self) -> TokenTree | None:

@@ -55,14 +55,15 @@ class SessionCalls:
             cache_salt=run.cache_salt, tree_nodes=tree_nodes))
 
     async def verify(self, run: RequestRun, drafts: list[int], proposal: Proposal, params: SamplingParams,
-                     seed: int) -> Verdict:
-        """The target's verdict on `drafts`; the target then holds the history and the accepted drafts."""
+                     seed: int, head_candidates: int = 0) -> Verdict:
+        """The target's verdict on `drafts` (with its heads' proposals for the next round when
+        `head_candidates` > 0); the target then holds the history and the accepted drafts."""
         sid = run.record.session_id
         base = len(run.record.token_ids)
         verdict = await self._with_resend(run, Tier.TARGET, lambda target, prefix, new_tokens: target.verify(
             sid, prefix, run.hashes.at(prefix), new_tokens, drafts, proposal.draft_probs, params, seed,
             wait_for_ready=False, cache_salt=run.cache_salt, top_logprobs=run.top_logprobs,
-            draft_parents=list(proposal.parents)),
+            draft_parents=list(proposal.parents), head_candidates=head_candidates),
             retry_s=self.config.target_retry_s)
         run.record.hold(Tier.TARGET, base + verdict.num_accepted)
         return verdict

@@ -34,6 +34,9 @@ class GenerationStats:
     ngram_rounds: int = 0           # rounds prompt lookup proposed
     ngram_draft_tokens: int = 0     # of draft_tokens, proposed by prompt lookup
     ngram_accepted_tokens: int = 0  # of accepted_tokens, proposed by prompt lookup
+    heads_rounds: int = 0           # rounds the target's heads proposed (their tree, read the round before)
+    heads_draft_tokens: int = 0     # of draft_tokens, proposed by the heads (the trees' nodes)
+    heads_accepted_tokens: int = 0  # of accepted_tokens, proposed by the heads (the accepted paths' nodes)
     draft_hint_tokens: int = 0      # of a draft round's tokens, prompt-lookup hints the draft kept
     draft_hint_accepted_tokens: int = 0  # of those, accepted by the target
     draft_ahead_calls: int = 0      # Propose calls made ahead, while the round before was verified
@@ -74,11 +77,12 @@ class GenerationStats:
     def record_round(self, gamma: int, accepted: int, source: Proposer = Proposer.DRAFT,
                      hints_kept: int = 0, tree: TokenTree | None = None,
                      accepted_nodes: tuple[int, ...] = (), lookup_nodes: int = 0) -> None:
-        """One round: γ tokens proposed by `source` (DRAFT, PROMPT_LOOKUP; NONE when γ is 0), the first
-        `hints_kept` of a draft round being prompt-lookup hints the draft model kept; a tree
-        round's γ tokens are `tree`'s nodes, of which the target accepted the path
-        `accepted_nodes`, and whose last `lookup_nodes` nodes are prompt lookup's branches."""
-        if tree is not None and gamma:
+        """One round: γ tokens proposed by `source` (DRAFT, PROMPT_LOOKUP, HEADS; NONE when γ is 0),
+        the first `hints_kept` of a draft round being prompt-lookup hints the draft model kept; a
+        draft tree round's γ tokens are `tree`'s nodes, of which the target accepted the path
+        `accepted_nodes`, and whose last `lookup_nodes` nodes are prompt lookup's branches (the
+        tree_* counts are the draft's trees; a heads round counts as heads only)."""
+        if tree is not None and gamma and source == Proposer.DRAFT:
             self._record_tree(tree, accepted_nodes, len(tree) - lookup_nodes)
         self.rounds += 1
         self.draft_tokens += gamma
@@ -87,6 +91,10 @@ class GenerationStats:
             self.ngram_rounds += 1
             self.ngram_draft_tokens += gamma
             self.ngram_accepted_tokens += accepted
+        elif gamma and source == Proposer.HEADS:
+            self.heads_rounds += 1
+            self.heads_draft_tokens += gamma
+            self.heads_accepted_tokens += accepted
         elif gamma:
             self.draft_rounds += 1
             self.draft_hint_tokens += hints_kept
@@ -138,7 +146,7 @@ class GenerationStats:
         return (f"rounds={self.rounds} generated={self.generated_tokens} drafted={self.draft_tokens} "
                 f"accepted={self.accepted_tokens} acceptance={self.acceptance_rate:.3f} "
                 f"tokens/round={self.tokens_per_round:.2f} draft_rounds={self.draft_rounds} "
-                f"ngram_rounds={self.ngram_rounds}")
+                f"ngram_rounds={self.ngram_rounds} heads_rounds={self.heads_rounds}")
 
 
 def _count_up_to(counts: list[int], reached: int) -> None:

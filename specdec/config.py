@@ -120,6 +120,10 @@ class TargetConfig(ModelServiceConfig):
     quantize: str = opt("none", "weights of the target's linear layers: none, or, as an explicit choice, "
                         "int8 or int4 (weight-only, CPU only: shorter steps, but the model served is "
                         "then the quantized one, and so is the output)", TARGET_QUANTIZATIONS)
+    heads: str = opt("", "directory of Medusa-style heads trained for this model (`specdec distill "
+                     "--heads K`): Verify then proposes the next round's tokens from the target's own "
+                     "hidden state (torch and graph backends; heads of another model are refused at "
+                     "start); empty = none")
 
 
 @dataclass(frozen=True)
@@ -169,8 +173,13 @@ class CoordinatorConfig(ServerTlsConfig):
     max_num_speculative_tokens: int = opt(16, "largest γ a request may ask for, and the most adaptive γ "
                                           "picks")
     default_proposer: str = opt("auto", "proposal source when a request leaves proposer unset: auto "
-                                "(per round, prompt lookup or the draft model or none, whichever pays "
-                                "most), draft, ngram (prompt lookup only) or none", choices_of(Proposer))
+                                "(per round, prompt lookup, the draft model, the target's heads or none, "
+                                "whichever pays most), draft, ngram (prompt lookup only), none or heads "
+                                "(the target's heads only)", choices_of(Proposer))
+    head_candidates: int = opt(4, "where the target serves Medusa-style heads (--heads), every Verify "
+                               "of a request that may use them (proposer heads or auto) asks for each "
+                               "head's this many likeliest tokens, proposed as a token tree in the next "
+                               "round (0: never ask; at most 32)")
     ngram_max: int = opt(3, "longest n-gram prompt lookup matches against the session's history "
                          "(it tries n = this .. 1)")
     ngram_max_tokens: int = opt(16, "most tokens one prompt lookup proposes")

@@ -212,3 +212,4 @@ class ModelDescription:
     verifies_trees: bool = False  # a target that takes draft_parents (a tree of drafts) in Verify
     num_heads: int = 0  # a target's Medusa-style heads (--heads); 0: none
     heads_id: str = ""  # their identity (a digest of their file) while num_heads > 0
+    checkpoint_id: str = ""  # the identity of the checkpoint's files (specdec/checkpoint.py); "": a hub id

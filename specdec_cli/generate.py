@@ -36,8 +36,9 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
                           "(env SPECDEC_GENERATE_GAMMA)")
     gen.add_argument("--proposer", default=env_default("generate", "proposer", None),
                      choices=tuple(p.value for p in Proposer),
-                     help="where proposed tokens come from: auto (per round, prompt lookup or the draft "
-                          "model), draft, ngram (prompt lookup), none; unset = the coordinator's default "
+                     help="where proposed tokens come from: auto (per round, prompt lookup, the draft "
+                          "model or the target's heads), draft, ngram (prompt lookup), none, heads (the "
+                          "target's Medusa-style heads); unset = the coordinator's default "
                           "(env SPECDEC_GENERATE_PROPOSER)")
     gen.add_argument("--tree-nodes", type=int, default=env_default("generate", "tree_nodes", 0),
                      help="draft-model rounds propose a tree of at most this many tokens, --gamma deep; "

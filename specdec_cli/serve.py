@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
 def serve_model(kind: str, args: argparse.Namespace) -> int:
     """The draft or target service: load the model, serve, stop on a signal."""
     from specdec.rpc.security import CredentialsError
+    from specdec.runtime.heads import HeadsMismatch
     from specdec.tokenizer import ModelLoadError
 
     if kind == "draft":
@@ -40,10 +41,11 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
         raise SystemExit(f"specdec serve {kind}: --model is required (env SPECDEC_{kind.upper()}_MODEL)")
     try:
         server, port, servicer = start(config)
-    except (ModelLoadError, CredentialsError, OSError) as exc:
+    except (ModelLoadError, CredentialsError, HeadsMismatch, OSError) as exc:
         raise SystemExit(f"specdec serve {kind}: {exc}")
     served = servicer.description  # what the engine loaded: a GGUF's own type, llama.cpp's device
-    print(f"{kind} service ready on {config.host}:{port} ({config.model}, {served.dtype}, {served.device})",
+    heads = f", {served.num_heads} heads" if served.num_heads else ""
+    print(f"{kind} service ready on {config.host}:{port} ({config.model}, {served.dtype}, {served.device}{heads})",
           flush=True)
     stopped = threading.Event()
 

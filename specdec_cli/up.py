@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from specdec.config import DTYPES, CoordinatorConfig, choices_of, help_of
+from specdec.config import DTYPES, CoordinatorConfig, TargetConfig, choices_of, help_of
 from specdec.types import Backend, Quantization
 
 from specdec_cli import generate, ports
@@ -36,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     choices=choices_of(Quantization),
                     help="the draft's linear layers in weight-only int8: faster draft steps on a CPU, "
                          "same output; auto = int8 on a CPU unless float64 (env SPECDEC_UP_DRAFT_QUANTIZE)")
+    up.add_argument("--target-heads", default=env_default("up", "target_heads", ""),
+                    help=f"the target's --heads: {help_of(TargetConfig, 'heads')} (env SPECDEC_UP_TARGET_HEADS)")
     up.add_argument("--kv-store", default=env_default("up", "kv_store", ""),
                     help="the draft's and the target's --kv-store: redis://[:PASSWORD@]HOST:PORT/DB "
                          "(rediss:// for TLS) where they keep K/V chunks of sessions' history; "
@@ -135,6 +137,7 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
     """The `specdec serve ...` command line of each child."""
     grpc_ports, metrics = service_ports(args), metrics_ports(args)
     kv_store = ["--kv-store", args.kv_store] if args.kv_store else []
+    heads = ["--heads", args.target_heads] if args.target_heads else []
     names = ["--served-model-name", *served_names(args)] if served_names(args) else []
     api_key = ["--api-key-file", args.api_key_file] if args.api_key_file else []
     recording = [argument for flag in ("record_dir", "record_max_bytes", "record_stream", "record_max_len")
@@ -146,7 +149,7 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
                           args.draft_quantize, "--metrics-port", str(metrics["draft"]), *kv_store],
         "target": SERVE + ["target", "--model", target_model, "--backend", args.backend, "--dtype", args.dtype,
                            "--device", args.device, "--port", str(grpc_ports["target"]),
-                           "--metrics-port", str(metrics["target"]), *kv_store],
+                           "--metrics-port", str(metrics["target"]), *kv_store, *heads],
         "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target", addresses["target"],
                                 "--port", str(grpc_ports["coordinator"]), "--http-port", str(http_port(args)),
                                 "--metrics-port", str(metrics["coordinator"]),

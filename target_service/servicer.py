@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from specdec.rpc.convert import description_for, dist_from_pb, logprobs_to_pb, model_info_to_pb, sampling_from_pb
+from specdec.rpc.convert import (description_for, dist_from_pb, dist_to_pb, logprobs_to_pb, model_info_to_pb,
+                                 sampling_from_pb)
 from specdec.rpc.status import map_errors
 from specdec.rpc.streaming import serve_calls
 from specdec.runtime.calls import deadline_of, run_call
@@ -48,7 +49,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             list(request.draft_tokens), [dist_from_pb(d) for d in request.draft_probs],
             sampling_from_pb(request.sampling), request.seed, request.cache_salt,
             request.top_logprobs if request.HasField("top_logprobs") else None,
-            list(request.draft_parents),
+            list(request.draft_parents), request.head_candidates,
         )
         verdict = await run_call(self.scheduler, self.engine, call, deadline)
         return target_pb2.VerifyResponse(
@@ -58,6 +59,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             restored_tokens=verdict.restored_tokens,
             logprobs=[logprobs_to_pb(entry) for entry in verdict.logprobs],
             accepted_nodes=verdict.accepted_nodes,
+            head_proposals=[dist_to_pb(dist) for dist in verdict.head_proposals],
         )
 
     @map_errors

@@ -55,6 +55,8 @@ def test_a_run_on_the_tiny_model_writes_sane_counts(tmp_path, capsys):
     graph_rows = document["engines"]["graph"]["models"]["tiny"]["histories"]["80"]["rows"]
     # the graph engine decides a sampled round's acceptance on the device: one read, no per-draft items
     assert graph_rows["verify γ=4 sampled"]["syncs"] < torch_rows["verify γ=4 sampled"]["syncs"]
+    # and a tree's (batched_tree_acceptance.py): the host walk reads per child tested and per draw
+    assert graph_rows["verify tree n=4 sampled"]["syncs"] == 1 < torch_rows["verify tree n=4 sampled"]["syncs"]
     table = capsys.readouterr().out
     assert "target step (verify, no drafts)" in table and "per draft step" in table
     assert (tmp_path / "launches.txt").read_text().startswith("engine")
@@ -65,7 +67,8 @@ def check_counts(by_history: dict) -> None:
     for measured in by_history.values():
         rows = measured["rows"]
         assert set(rows) >= {"draft step (propose γ=1)", "propose γ=4", "target step (verify, no drafts)",
-                             "verify γ=1", "verify γ=4", "verify tree n=4", "verify γ=4 sampled"}
+                             "verify γ=1", "verify γ=4", "verify tree n=4", "verify γ=4 sampled",
+                             "verify tree n=4 sampled"}
         for name, counts in rows.items():
             assert 0 < counts["launches"] < counts["aten_ops"], name
             assert counts["syncs"] >= 1, name  # every call reads its answer back

@@ -32,6 +32,13 @@ def test_tree_auto_leaves_auto_to_the_policy_beside_auto_held_to_chains():
     assert tree_fields(methods) == {AUTO_CHAINS: 1}
 
 
+def test_heads_adds_a_heads_row_only_when_the_target_serves_heads():
+    from specdec.v1 import coordinator_pb2
+
+    assert report.HEADS not in specdec_methods(quick=True)
+    assert specdec_methods(quick=True, heads=True)[report.HEADS] == {"proposer": coordinator_pb2.PROPOSER_HEADS}
+
+
 def test_methods_keep_target_only_and_auto_and_name_an_unknown_one():
     methods = specdec_methods(quick=True)
     chosen = select_methods(methods, "draft γ=4")

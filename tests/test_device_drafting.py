@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from specdec.config import DraftConfig
+from specdec.errors import ResourceExhausted
 from specdec.fingerprint import fingerprint
 from specdec.maths.sampling import proposal_top_k
 from specdec.runtime.batched_proposal import RowWarps, proposal_rows
 from specdec.runtime.device_drafting import DeviceDrafting
 from specdec.runtime.drafting import ModelProposer
 from specdec.runtime.engines import runner_from_config
+from specdec.runtime.graph.runner import PagedSessionRunner
+from specdec.runtime.loader import load_model
 from specdec.types import SamplingParams
 from tests.test_sampling import chi2_pvalue
 
@@ -163,3 +166,50 @@ def test_the_loop_reads_the_device_once_per_batch():
     for temperature in (0.0, 1.0):
         spec = launches.RowSpec(f"loop-{temperature}", "draft", 4, temperature, False)
         assert launches.measure_row(rows, spec, repeats=1, warmup=1).syncs == 1
+
+
+def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(draft):
+    """Trees of several depths and budgets, greedy and sampled (a tree's children are picked by
+    rank: deterministic either way), beside a chain in one batch: the device's trees are the
+    host loop's, node for node, and so is what each session keeps (a sampled chain draws apart:
+    the device's draws are inverse-CDF, the host's multinomial)."""
+    engine, device = draft
+    host = ModelProposer(engine, K)
+    # greedy: a tree 6 deep, whose window (20 nodes) is past the buckets' 16: forwards in their own
+    # shape; sampled: 5 trees, forwards padded to a bucket of 8 rows
+    for params, shapes in ((SamplingParams(temperature=0.0), ((2, 4), (6, 8), (3, 3), (1, 2))),
+                           (SamplingParams(temperature=1.3, top_k=3, top_p=0.8), ((2, 4), (4, 8), (3, 3), (1, 2), (2, 5)))):
+        outcomes = []
+        for drafting in (device, host):
+            calls = [drafting.call(f"t{i}", 0, 0, PROMPT + [i], gamma, params, 5 + i, tree_nodes=nodes)
+                     for i, (gamma, nodes) in enumerate(shapes + ((3, 0),))]
+            loops = device.tree_loops
+            proposals = drafting.propose_batch(calls)
+            outcomes.append([(p.draft_tokens, p.parents, p.cached_len) for p in proposals])
+            for call in calls:
+                engine.release(call.session_id)
+        compared = len(outcomes[0]) if params.greedy else len(shapes)
+        assert outcomes[0][:compared] == outcomes[1][:compared], params
+        assert device.tree_loops == loops  # the host loop's run did not reach the device's
+        assert all(parents for _, parents, _ in outcomes[0][:-1]) and not outcomes[0][-1][1]
+    assert device.tree_loops > 0
+
+
+def test_a_tree_the_pool_cannot_hold_fails_alone_and_keeps_the_history(draft, small_vocab_models):
+    """The loop's node slots are allocated up front: a pool too small for them refuses the
+    tree calls (RESOURCE_EXHAUSTED), the session keeps its history, a shallower tree then grows."""
+    engine, _ = draft
+    block = engine.kv_spec.bytes_per_block
+    runner = PagedSessionRunner(load_model(small_vocab_models["draft"], "float64"), 8, 3 * block, 16,
+                                block_size=16)  # 3 blocks: the null block and 32 tokens for sessions
+    drafting = runner.drafting(K)
+    prompt = (PROMPT * 5)[:26]
+    deep = drafting.call("s", 0, 0, prompt, 3, SamplingParams(temperature=0.0), 1, tree_nodes=6)  # 26 + 8 > 32
+    result = drafting.propose_batch([deep])[0]
+    assert isinstance(result, ResourceExhausted)
+    assert runner.kv.length(runner.caches.get("s").kv.pool_id) == len(prompt)  # the history only
+    shallow = drafting.call("s", len(prompt), fingerprint(prompt), [3], 2, SamplingParams(temperature=0.0), 1,
+                            tree_nodes=4)  # 27 + 4 ≤ 32
+    proposal = drafting.propose_batch([shallow])[0]
+    assert len(proposal.draft_tokens) == 4 and proposal.parents and proposal.cached_len == len(prompt) + 1
+    assert drafting.tree_loops == 1

@@ -50,7 +50,8 @@ def test_estimates_are_kept_per_draft_model():
 def test_the_fingerprint_names_the_model_not_the_replica():
     info = ModelDescription("models/draft-v1", 32, "fp", 32, (0,), 512, "bfloat16", "cpu", 16)
     assert model_fingerprint(info) == model_fingerprint(dataclasses.replace(info, tokenizer_fingerprint="other"))
-    for change in ({"model_id": "models/draft-v2"}, {"dtype": "float32"}, {"device": "cuda:0"}, {"vocab_size": 64}):
+    for change in ({"model_id": "models/draft-v2"}, {"dtype": "float32"}, {"device": "cuda:0"}, {"vocab_size": 64},
+                   {"checkpoint_id": "another"}):  # the last: a checkpoint written over the same path
         assert model_fingerprint(dataclasses.replace(info, **change)) != model_fingerprint(info)
 
 

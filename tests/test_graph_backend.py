@@ -188,17 +188,24 @@ def test_greedy_chains_through_graph_services_equal_the_hf_model(graph_cluster, 
 
 @pytest.mark.e2e
 def test_greedy_trees_grown_and_verified_on_the_graph_engine(graph_cluster, expected):
+    drafting = graph_cluster.draft_servicer.drafting
+    loops = drafting.tree_loops
+    decided = dict(graph_cluster.target_servicer.verification.decided)
     for gamma, nodes in ((2, 4), (3, 6), (4, 8)):
         for prompt in PROMPTS[:2]:
             response = graph_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
                                               num_speculative_tokens=gamma, tree_nodes=nodes, proposer=DRAFT)
             assert list(response.token_ids) == expected[prompt], (gamma, nodes, prompt)
             assert response.stats.tree_rounds > 0
+    assert drafting.tree_loops > loops  # grown by the device loop (graph/tree_loop.py)
+    # every tree was decided on the device (batched_tree_acceptance.py), not by the host walk
+    assert graph_cluster.target_servicer.verification.decided["trees"] > decided["trees"]
 
 
 @pytest.mark.e2e
 def test_concurrent_sessions_batched_each_get_their_own_output(graph_cluster, expected):
-    jobs = [(prompt, gamma, nodes) for prompt in PROMPTS for gamma, nodes in ((2, 0), (4, 0), (3, 6))]
+    jobs = [(prompt, gamma, nodes) for prompt in PROMPTS for gamma, nodes in ((2, 0), (4, 0), (3, 6), (2, 4))]
+    loops = graph_cluster.draft_servicer.drafting.tree_loops
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         done = list(pool.map(lambda job: graph_cluster.complete(
             prompt=job[0], max_new_tokens=NEW_TOKENS, num_speculative_tokens=job[1], tree_nodes=job[2],
@@ -207,6 +214,7 @@ def test_concurrent_sessions_batched_each_get_their_own_output(graph_cluster, ex
         assert list(response.token_ids) == expected[job[0]], job
     target = graph_cluster.target_servicer.engine
     assert target.graph.eager_runs > 0 and target.tokens_run > 0
+    assert graph_cluster.draft_servicer.drafting.tree_loops > loops  # trees grown by the device loop
 
 
 @pytest.mark.e2e
@@ -261,12 +269,14 @@ def test_float32_greedy_equals_the_hf_model_in_float32(models):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.5, top_k=6)],
-                         ids=["t0.7", "t1.5-topk6"])
-def test_sampled_tokens_follow_the_graph_target(small_vocab_models, params):
+@pytest.mark.parametrize("params, nodes", [(SamplingParams(temperature=0.7), 0),
+                                           (SamplingParams(temperature=1.5, top_k=6), 0),
+                                           (SamplingParams(temperature=0.9), 4)], ids=["t0.7", "t1.5-topk6", "tree"])
+def test_sampled_tokens_follow_the_graph_target(small_vocab_models, params, nodes):
     p1, p2 = exact_first_two(small_vocab_models["target"], params)
     with Cluster(small_vocab_models["draft"], small_vocab_models["target"], draft=GRAPH, target=GRAPH) as cluster:
-        counts1, counts2, accepted = sampled_first_two(cluster, params, 600, proposer=DRAFT)
+        counts1, counts2, accepted = sampled_first_two(cluster, params, 600, proposer=DRAFT, tree_nodes=nodes)
+        assert cluster.target_servicer.verification.decided["trees" if nodes else "chains"] > 0  # on the device
     assert 0 < accepted < 2 * 600  # a different draft: some drafts accepted, some rejected
     assert_follows((counts1, p1), (counts2, p2))
 

@@ -109,3 +109,48 @@ def test_the_captured_draft_loop_replays_the_eager_loop():
             runner.kv.truncate(f"s{i}", length)
         assert loop.replays == int(capture)
     assert [[step[0] for step in row] for row in drawn[0]] == [[step[0] for step in row] for row in drawn[1]]
+
+
+def grow_with_tree_loop(runner: GraphRunner, first: torch.Tensor, depths: int) -> list:
+    """The tree loop over sessions s0.. (their roots' logits `first` [C, vocab]): its slots
+    appended, then dropped -> per tree, depth and slot (valid, pool index, token), on the host."""
+    from specdec.maths.tree import TREE_WIDTH
+    from specdec.runtime.batched_proposal import RowWarps
+    from specdec.runtime.graph.tree_loop import TreeLoopInputs, run_tree_loop
+    from specdec.types import SamplingParams
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=0.8, top_p=0.9)][:first.shape[0]]
+    device = first.device
+    names = [f"s{i}" for i in range(len(params))]
+    bases = [runner.kv.length(name) for name in names]
+    slots = [runner.kv.append(name, TREE_WIDTH * (depths - 1)) for name in names]
+    tables = [runner.kv.block_table(name) for name in names]
+    width = max(len(table) for table in tables)
+    inputs = TreeLoopInputs(first.float(), torch.tensor(bases, device=device),
+                            torch.tensor(slots, device=device).view(len(names), depths - 1, TREE_WIDTH),
+                            torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+                            RowWarps.of(params).to(device), params)
+    kept = run_tree_loop(runner.forward_on_device, inputs, depths)[..., :3].tolist()
+    for name, length in zip(names, bases):
+        runner.kv.truncate(name, length)
+    return kept
+
+
+@needs_cuda
+def test_the_tree_loop_replays_captured_forwards_and_grows_the_eager_trees():
+    """Greedy and sampled trees 4 deep in one batch of 3 (a bucket of 4 rows × 4 tokens, a
+    12-node window): the loop's forwards replay captured graphs and grow the trees the same
+    forwards grow eagerly."""
+    hf, runner = cuda_runner()
+    seqs = [sequence(n, seed=n) for n in (6, 21, 40)]
+    for i, seq in enumerate(seqs):
+        run(runner, f"s{i}", seq[:-1])
+    first = torch.cat(runner.forward([RowInput(f"s{i}", seq[-1:], 1) for i, seq in enumerate(seqs)]))
+    eager = grow_with_tree_loop(runner, first, 4)
+    assert runner.replays == 0
+    runner.capture()
+    replayed = grow_with_tree_loop(runner, first, 4)
+    assert runner.replays == 3  # one forward per depth but the last
+    assert replayed == eager
+    assert all(depth[0][0] for tree in eager for depth in tree)  # every depth kept a child

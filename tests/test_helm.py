@@ -36,10 +36,12 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "gpu": {
-        "draft": {"image": {"tag": "0.1.0-cuda"}, "model": {"device": "cuda"},
+        "draft": {"image": {"tag": "0.1.0-cuda"}, "model": {"device": "cuda", "backend": "graph",
+                                                            "kvCacheMemoryFraction": 0.25},
                   "resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}},
                   "nodeSelector": {"pool": "gpu-small"}, "tolerations": [GPU_TOLERATION]},
-        "target": {"image": {"tag": "0.1.0-cuda"}, "model": {"device": "cuda", "dtype": "float16"},
+        "target": {"image": {"tag": "0.1.0-cuda"}, "model": {"device": "cuda", "dtype": "float16",
+                                                             "kvCacheMemoryFraction": 0.6},
                    "replicaCount": 4,
                    "resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}},
                    "nodeSelector": {"pool": "gpu-large"}, "tolerations": [GPU_TOLERATION]},
@@ -227,6 +229,8 @@ def test_lint_is_clean(name):
     ({"draft": {"resources": {"limits": {"cpu": "lots"}}}}, "/draft/resources/limits/cpu"),
     ({"draft": {"model": {"backend": "onnx"}}}, "/draft/model/backend"),
     ({"target": {"model": {"threads": -1}}}, "/target/model/threads"),
+    ({"target": {"model": {"kvCacheMemoryFraction": 1.5}}}, "/target/model/kvCacheMemoryFraction"),
+    ({"draft": {"model": {"kvCacheMemoryFraction": "half"}}}, "/draft/model/kvCacheMemoryFraction"),
     ({"target": {"model": {"kvCacheType": "q4_0"}}}, "/target/model/kvCacheType"),
     ({"draft": {"kvChunks": {"chunkTokens": 0}}}, "/draft/kvChunks/chunkTokens"),
     ({"target": {"kvChunks": {"cache": True}}}, "/target/kvChunks"),
@@ -562,6 +566,20 @@ def test_gpu_values_put_target_and_draft_on_their_pools(rendered):
     assert "nodeSelector" not in coordinator["spec"]["template"]["spec"]
     defaults = rendered["defaults"]
     assert "nvidia.com/gpu" not in container(defaults.one("Deployment", "target"))["resources"]["limits"]
+
+
+def test_the_kv_pool_takes_a_fraction_of_the_gpus_memory_only_where_set(rendered, chart):
+    gpu = rendered["gpu"]
+    for tier, fraction in (("draft", "0.25"), ("target", "0.6")):
+        args = container(gpu.one("Deployment", tier))["args"]
+        assert f"--kv-cache-memory-fraction={fraction}" in args and any(a.startswith("--kv-cache-bytes=") for a in args)
+    for name, r in rendered.items():  # unset (0) by default: the flag is not passed
+        for deployment in r.objects("Deployment"):
+            if name != "gpu":
+                assert not any(a.startswith("--kv-cache-memory-fraction") for a in container(deployment)["args"])
+    for model in ({"kvCacheMemoryFraction": 0.5}, {"kvCacheMemoryFraction": 0.5, "device": "cuda", "backend": "torch"}):
+        with pytest.raises(Exception, match="target.model.kvCacheMemoryFraction sizes the graph backend's K/V pool"):
+            chart.render({"target": {"model": model}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
 
 
 def test_gguf_values_serve_the_files_through_llama_cpp(rendered):

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.server import StartupError, start as start_coordinator
+from specdec.checkpoint import checkpoint_id
 from specdec_cli import tiny
 from specdec.fingerprint import fingerprint
 from specdec.config import CoordinatorConfig, TargetConfig
@@ -56,6 +57,7 @@ def test_model_info_matches_between_tiers(llama_cluster):
     assert target.vocab_size == 384 and target.max_context_length == 512
     assert target.dtype == "float64" and target.device == "cpu"
     assert list(target.eos_token_ids) == [0]
+    assert target.checkpoint_id == checkpoint_id(llama_cluster.target_config.model) != draft.checkpoint_id
 
 
 @pytest.mark.e2e

@@ -74,7 +74,7 @@ class SpecdecFields(BaseModel):
     top_k: int | None = None                     # None or 0: off
     ignore_eos: bool = False                     # keep generating after end-of-sequence
     num_speculative_tokens: int | None = None    # a fixed γ; None: adaptive
-    proposer: Literal["auto", "draft", "ngram", "none"] | None = None  # None: --default-proposer
+    proposer: Literal["auto", "draft", "ngram", "none", "heads"] | None = None  # None: --default-proposer
     session_id: str = ""                         # "": a new session; set: continue that session
     cache_salt: str = ""                         # mixed into the services' K/V chunk keys
     tree_nodes: int = Field(0, ge=0)             # draft rounds propose a tree of this many tokens (0: --trees, 1: chains)
@@ -175,7 +175,8 @@ def specdec_object(session_id: str, stats: GenerationStats | None = None) -> dic
     if stats is not None:
         out.update(acceptance_rate=stats.acceptance_rate, tokens_per_round=stats.tokens_per_round,
                    draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-                   draft_rounds=stats.draft_rounds, ngram_rounds=stats.ngram_rounds, rounds=stats.rounds)
+                   draft_rounds=stats.draft_rounds, ngram_rounds=stats.ngram_rounds, heads_rounds=stats.heads_rounds,
+                   rounds=stats.rounds)
     return out
 
 

@@ -27,6 +27,7 @@ PROPOSER_FROM_PB = {
     coordinator_pb2.PROPOSER_DRAFT: Proposer.DRAFT,
     coordinator_pb2.PROPOSER_NGRAM: Proposer.PROMPT_LOOKUP,  # the wire keeps its old name
     coordinator_pb2.PROPOSER_NONE: Proposer.NONE,
+    coordinator_pb2.PROPOSER_HEADS: Proposer.HEADS,
 }
 
 

@@ -1,5 +1,6 @@
 """What each round does: the planner (`speculation.py`: which source, how many tokens, a chain or
-a tree), the per-session policy and its estimates (`session_policy.py`, `estimates.py`), whether
+a tree), the per-session policy and its estimates (`session_policy.py`, `estimates.py`, the
+target's heads' in `heads_estimates.py`), whether
 adaptive requests speculate under load (`load_governor.py`) and whether draft rounds draft ahead
 (`draft_ahead_trial.py`).
 

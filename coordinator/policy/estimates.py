@@ -6,11 +6,12 @@ t_propose(γ), as exponentially weighted linear fits)."""
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 from specdec.maths.tree import TREE_WIDTH
 from specdec.types import Proposer
 
-SOURCES = (Proposer.DRAFT, Proposer.PROMPT_LOOKUP)  # the sources that propose tokens
+SOURCES = (Proposer.DRAFT, Proposer.PROMPT_LOOKUP, Proposer.HEADS)  # the sources that propose tokens
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -35,12 +36,29 @@ def tree_expected_tokens(alpha: float, branch_alpha: float, depth: int, nodes: i
     the best `nodes − depth` are summed. Children of alternatives are not counted: a lower
     bound of what the draft's tree holds."""
     check_alpha(alpha)
-    check_alpha(branch_alpha)
     if not 0 <= depth <= nodes:
         raise ValueError(f"need 0 <= depth <= nodes, got {depth}, {nodes}")
-    adds = sorted((alpha ** (i - 1) * (1.0 - alpha) * branch_alpha * (1.0 - branch_alpha) ** (r - 2)
-                   for i in range(1, depth + 1) for r in range(2, width + 1)), reverse=True)
-    return expected_tokens(alpha, depth) + sum(adds[:nodes - depth])
+    return tree_expected_tokens_by_depth([alpha] * depth, branch_alpha, nodes, width)
+
+
+def tree_expected_tokens_by_depth(alphas: Sequence[float], branch_alpha: float, nodes: int,
+                                  width: int = TREE_WIDTH) -> float:
+    """`tree_expected_tokens` with an α of its own per depth (alphas[i − 1]: the spine's node at
+    depth i accepted once its parent was), for proposals whose accuracy falls with the depth
+    (the target's heads: head i guesses i tokens past the target's own). The spine is
+    len(alphas) deep; the alternative r at depth i adds α_1…α_(i−1)·(1 − α_i)·b·(1 − b)^(r−2)."""
+    for alpha in alphas:
+        check_alpha(alpha)
+    check_alpha(branch_alpha)
+    depth = len(alphas)
+    if not 0 <= depth <= nodes:
+        raise ValueError(f"need 0 <= depth <= nodes, got {depth}, {nodes}")
+    tokens, reach, adds = 1.0, 1.0, []  # reach: α_1…α_(i−1), the spine accepted to depth i − 1
+    for alpha in alphas:
+        adds += [reach * (1.0 - alpha) * branch_alpha * (1.0 - branch_alpha) ** (r - 2) for r in range(2, width + 1)]
+        reach *= alpha
+        tokens += reach
+    return tokens + sum(sorted(adds, reverse=True)[:nodes - depth])
 
 
 def tree_budgets(depth: int, max_nodes: int) -> list[int]:
@@ -225,6 +243,12 @@ class CostModel:
         `relative_cost` for the draft's `depth` steps (verification flat)."""
         tree = self.tree_propose.coefficients()
         return self._relative(Proposer.DRAFT, [(depth, nodes + 1)], load, tree)[0]
+
+    def relative_heads_cost(self, nodes: int, load: int = 1) -> float:
+        """t_verify(load·(nodes + 1)) / t_verify(load): a round proposing the target's heads'
+        tree of `nodes` nodes in plain-decode steps; it makes no model call but the Verify
+        (the heads were read in the round before). Unmeasured: 1 (verification flat)."""
+        return self._relative(Proposer.HEADS, [(0, nodes + 1)], load)[0]
 
     def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
         """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""

@@ -59,18 +59,24 @@ alternative at a depth where it rejected the spine with probability b per altern
 costs t_propose(d) + t_verify(n + 1): so a tree wins (by `tree_min_gain` over the best chain)
 where verification is flat and the draft unsure, a chain where each verified token costs or the
 draft is sure.
+
+The target's heads (heads_estimates.py): where the round before read them, a round may verify
+their tree instead, priced as such a tree with an α per depth and no proposal time; it is a
+source like the others (warm-up, probes), eligible only with proposals at hand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from specdec.maths.tree import TreeOutcome
 from specdec.types import Proposer
 
 from coordinator.policy.estimates import (
     SOURCES, AcceptanceEstimate, CostModel, argmax_speedup, check_alpha, expected_tokens, tree_budgets,
     tree_expected_tokens)
+from coordinator.policy.heads_estimates import HeadsAtHand, SessionHeads, warmup_nodes
 
 
 @dataclass(frozen=True)
@@ -106,11 +112,11 @@ class PolicyConfig:
 class Choice:
     """A round's plan. Unpacks as ``source, gamma = choice``."""
 
-    source: Proposer   # DRAFT | PROMPT_LOOKUP | NONE
-    gamma: int         # tokens to propose (0 exactly when source is "none")
+    source: Proposer   # DRAFT | PROMPT_LOOKUP | HEADS | NONE
+    gamma: int         # tokens to propose (0 exactly when source is "none"; heads: the tree's depth)
     reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
-    tree_nodes: int = 0   # a draft round: propose a tree of this many nodes, γ deep (0: a chain)
+    tree_nodes: int = 0   # a draft or heads round: propose a tree of this many nodes, γ deep (0: a chain)
 
     def __iter__(self) -> Iterator:
         return iter((self.source, self.gamma))
@@ -144,6 +150,7 @@ class SessionPolicy:
     lookup_prior: AcceptanceEstimate | None = None  # prompt lookup's α over all sessions (shared)
     order_priors: dict[int, AcceptanceEstimate] = field(default_factory=dict)  # ... per match length
     draft_model: str = ""  # the draft model (its fingerprint) the draft's estimates are of
+    heads: SessionHeads | None = None  # what the session knows of the target's heads (None: none seen)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -154,6 +161,7 @@ class SessionPolicy:
         self.lookup_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
         if self.branch is None:
             self.branch = AcceptanceEstimate(c.alpha_decay)
+        self._last = Choice(Proposer.NONE, 0, "none")  # the latest round's choice
 
     def use_draft(self, draft_model: str, costs: CostModel, prior: AcceptanceEstimate, clock: ProbeClock,
                   branch: AcceptanceEstimate) -> None:
@@ -164,6 +172,43 @@ class SessionPolicy:
         self.draft_model, self.costs, self.draft_prior, self.probe_clock, self.branch = (
             draft_model, costs, prior, clock, branch)
         self.sources[Proposer.DRAFT] = _SourceState(AcceptanceEstimate(c.alpha_decay), ProbeClock(c.probe_interval))
+
+    def use_heads(self, heads: SessionHeads) -> None:
+        """The session's target serves these heads now (new ones, or the first seen): what it
+        learnt of others is forgotten; where the coordinator has measured these, no warm-up."""
+        c = self.config
+        self.heads = heads
+        state = self.sources[Proposer.HEADS] = _SourceState(AcceptanceEstimate(c.alpha_decay),
+                                                            ProbeClock(c.probe_interval))
+        if heads.warmed_up:
+            state.acceptance.rounds = c.warmup_rounds
+
+    def wants_heads(self, mode: Proposer, typical: HeadsAtHand | None = None, cap: int = 0,
+                    load: int = 1) -> bool:
+        """Whether the Verify of the round just chosen should read the heads' proposals for the
+        next round. A request held to heads: always. Under auto only while the next round may
+        take them: the heads still warm up, won this round, are due for a probe, or would beat
+        this round's choice with proposals like `typical` (what the target's heads and the
+        round's `cap` allow). Reading them costs the target one more pass of its output layer
+        (all heads at once), which a CPU target pays on every round it is asked, so heads that
+        lose are read again only to probe."""
+        if self.heads is None or mode not in (Proposer.AUTO, Proposer.HEADS):
+            return False
+        if mode == Proposer.HEADS:
+            return True
+        state = self.sources[Proposer.HEADS]
+        if (state.acceptance.rounds < self.config.warmup_rounds or self._last.source == Proposer.HEADS
+                or state.clock.idle >= state.clock.interval):
+            return True
+        if typical is None:
+            return False
+        found = self.heads.best_round(typical, cap, lambda nodes: self.costs.relative_heads_cost(nodes, load))
+        return found is not None and found[2] > max(1.0, self._last.speedup)
+
+    def observe_heads(self, outcome: TreeOutcome) -> None:
+        """A heads round's outcome against its tree's spine: α per depth and b."""
+        if self.heads is not None:
+            self.heads.observe(outcome)
 
     def alpha(self, source: Proposer) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round).
@@ -247,7 +292,7 @@ class SessionPolicy:
     def choose(self, max_gamma: int | None = None, lookup_available: int = 0,
                draft_available: bool = True, mode: Proposer = Proposer.AUTO,
                fixed_gamma: int | None = None, lookup_order: int = 0, load: int = 1,
-               max_tree_nodes: int = 0) -> Choice:
+               max_tree_nodes: int = 0, heads: HeadsAtHand | None = None) -> Choice:
         """The source and γ of the next round.
 
         max_gamma: this round's cap (tokens left, context room, the services' limits);
@@ -258,23 +303,30 @@ class SessionPolicy:
         mode / fixed_gamma: the request's override (fixed source and / or fixed γ);
         max_tree_nodes: an adaptive draft round may propose a tree of up to this many nodes
         instead of a chain when that pays (0: chains only — the target or the draft cannot, the
-        request or the coordinator turned trees off, γ is fixed).
+        request or the coordinator turned trees off, γ is fixed);
+        heads: the target's heads' proposals read in the round before (None: none at hand). A
+        heads choice's γ is its tree's depth and tree_nodes its size (a fixed γ: its size).
         """
         if not isinstance(mode, Proposer):
             mode = Proposer(mode)  # ValueError for anything else
         if fixed_gamma is not None and fixed_gamma < 0:
             raise ValueError(f"fixed_gamma must be >= 0, got {fixed_gamma}")
         cap = self.config.max_gamma if max_gamma is None else max_gamma
-        caps = self._caps(mode, cap, lookup_available, draft_available)
+        caps = self._caps(mode, cap, lookup_available, draft_available, heads)
         if fixed_gamma == 0 or mode == Proposer.NONE:
             return self._chose(caps, Choice(Proposer.NONE, 0, "override"))
         if not caps:
             return self._chose(caps, Choice(Proposer.NONE, 0, "unavailable"))
         if fixed_gamma is not None and mode != Proposer.AUTO:
-            return self._chose(caps, Choice(mode, min(fixed_gamma, caps[mode]), "override"))
-        return self._chose(caps, self._explore(caps, fixed_gamma)
-                           or self._best(caps, fixed_gamma, lookup_order, load,
-                                         0 if fixed_gamma is not None else max_tree_nodes))
+            choice = Choice(mode, min(fixed_gamma, caps[mode]), "override")
+        else:
+            choice = self._explore(caps, fixed_gamma) or self._best(
+                caps, fixed_gamma, lookup_order, load, 0 if fixed_gamma is not None else max_tree_nodes, heads)
+        if choice.source == Proposer.HEADS and not choice.tree_nodes and heads is not None:
+            nodes = (warmup_nodes(choice.gamma, heads) if fixed_gamma is None
+                     else max(choice.gamma, min(fixed_gamma, heads.nodes_most(choice.gamma))))
+            choice = replace(choice, tree_nodes=nodes)
+        return self._chose(caps, choice)
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
@@ -292,7 +344,7 @@ class SessionPolicy:
         the tree rounds' own fit.
         """
         if source not in (*SOURCES, Proposer.NONE):
-            raise ValueError(f"source must be draft, ngram or none, got {source!r}")
+            raise ValueError(f"source must be draft, ngram, heads or none, got {source!r}")
         if not 0 <= accepted <= proposed:
             raise ValueError(f"need 0 <= accepted <= proposed, got {accepted}, {proposed}")
         if source in SOURCES and proposed > 0:
@@ -313,13 +365,16 @@ class SessionPolicy:
             self.costs.observe_verify(max(tokens, batch_tokens or 0), verify_seconds)
 
     def _caps(self, mode: Proposer, cap: int, lookup_available: int,
-              draft_available: bool) -> dict[Proposer, int]:
-        """Per eligible source, the most tokens it may propose this round."""
+              draft_available: bool, heads: HeadsAtHand | None = None) -> dict[Proposer, int]:
+        """Per eligible source, the most tokens it may propose this round (heads: how deep)."""
         caps = {}
         if mode in (Proposer.AUTO, Proposer.DRAFT) and draft_available and cap > 0:
             caps[Proposer.DRAFT] = cap
         if mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP) and min(cap, lookup_available) > 0:
             caps[Proposer.PROMPT_LOOKUP] = min(cap, lookup_available)
+        if (mode in (Proposer.AUTO, Proposer.HEADS) and heads is not None and self.heads is not None
+                and min(cap, heads.depth) > 0):
+            caps[Proposer.HEADS] = min(cap, heads.depth)
         return caps
 
     def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None) -> Choice | None:
@@ -336,11 +391,18 @@ class SessionPolicy:
         return None
 
     def _best(self, caps: dict[Proposer, int], fixed_gamma: int | None, lookup_order: int = 0,
-              load: int = 1, max_tree_nodes: int = 0) -> Choice:
-        """The eligible source and γ (a draft round: or tree) with the largest estimated speedup;
-        none when no source beats plain decoding (with a fixed γ a source is always used)."""
+              load: int = 1, max_tree_nodes: int = 0, heads: HeadsAtHand | None = None) -> Choice:
+        """The eligible source and γ (a draft round: or tree; heads: their tree) with the largest
+        estimated speedup; none when no source beats plain decoding (with a fixed γ a source is
+        always used)."""
         options = []
         for source, cap in caps.items():
+            if source == Proposer.HEADS:
+                found = None if heads is None or self.heads is None else self.heads.best_round(
+                    heads, cap, lambda nodes: self.costs.relative_heads_cost(nodes, load), fixed_gamma)
+                if found is not None:
+                    options.append(Choice(Proposer.HEADS, found[0], "best", found[2], tree_nodes=found[1]))
+                continue
             alpha = (self.lookup_alpha(lookup_order) if source == Proposer.PROMPT_LOOKUP else self.alpha(source)) or 0.0
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
@@ -379,8 +441,14 @@ class SessionPolicy:
         return best
 
     def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
-        """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round."""
-        for source in caps:
+        """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round
+        — the heads too on a round whose Verify before did not read them (`wants_heads`), so
+        their probe comes due."""
+        idle = set(caps)
+        if self.heads is not None and Proposer.HEADS not in caps:
+            idle.add(Proposer.HEADS)
+        for source in idle:
             clock = self.sources[source].clock
             clock.idle = 0 if source == choice.source else clock.idle + 1
+        self._last = choice
         return choice

@@ -1,4 +1,5 @@
-"""Each round's plan: which source proposes (draft model, prompt lookup, none) and how many tokens.
+"""Each round's plan: which source proposes (draft model, prompt lookup, the target's heads, none)
+and how many tokens.
 
 `Speculation` is one per coordinator: the round-cost model shared by all sessions, the
 acceptance per source over all sessions (a new session starts from it rather than spending
@@ -18,6 +19,9 @@ verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance
 A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
 an adaptive request whose draft and target handle trees, the policy's choice of a tree over a
 chain (`auto_tree_budget`, session_policy.py); a tree round feeds back its spine and its alternatives.
+A heads plan (where the round before read the target's heads: `HeadsAtHand`) carries the depth
+and the size of the heads' tree; its round feeds back α per depth and b (heads_estimates.py), kept
+per set of heads (`heads_id`) over all sessions.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specdec.maths.tree import TokenTree, tree_outcome
+from specdec.maths.tree import TokenTree, TreeOutcome, tree_outcome
 from specdec.types import Proposer, Trees
 
 from coordinator.policy.estimates import AcceptanceEstimate, CostModel
+from coordinator.policy.heads_estimates import DepthAcceptance, HeadsAtHand, SessionHeads
 from coordinator.policy.session_policy import PolicyConfig, ProbeClock, SessionPolicy
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,7 @@ PRIOR_DECAY = 0.98   # the coordinator-wide α per source forgets this slowly (p
 PRIOR_WEIGHT = 3.0   # a new session starts from that α worth this many trials
 LOOKUP_BRANCHES = 3  # a tree round grafts on what followed up to this many earlier occurrences
 MAX_DRAFT_MODELS = 8  # draft models (fingerprints) whose estimates a coordinator keeps (LRU)
+MAX_HEADS = 8  # sets of heads (heads_id) whose estimates a coordinator keeps (LRU)
 
 
 class FixedCosts(CostModel):
@@ -58,6 +64,9 @@ class FixedCosts(CostModel):
 
     def relative_tree_cost(self, depth: int, nodes: int, load: int = 1) -> float:
         return 1.0 + self.cost_ratio * depth  # a draft forward per depth; verification flat
+
+    def relative_heads_cost(self, nodes: int, load: int = 1) -> float:
+        return 1.0  # no proposal call; verification flat
 
 
 @dataclass(frozen=True)
@@ -79,14 +88,14 @@ NO_LOOKUP = Lookup()  # the round does not look up (its request does not use pro
 class Plan:
     """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's."""
 
-    source: Proposer            # DRAFT | PROMPT_LOOKUP | NONE
-    gamma: int                  # tokens to propose (draft: its steps; kept hints come on top)
+    source: Proposer            # DRAFT | PROMPT_LOOKUP | HEADS | NONE
+    gamma: int                  # tokens to propose (draft: its steps; kept hints come on top; heads: the depth)
     tokens: list[int] = field(default_factory=list)  # prompt lookup: the proposal; draft: the hints
     reason: str = ""
     propose_seconds: float = 0.0  # what planning the tokens took (prompt lookup)
     speedup: float = 1.0        # the policy's estimated speedup of this round over plain decoding
     min_confidence: float = 0.0  # draft: stop after a token it gave less probability (0 = exactly γ)
-    tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain)
+    tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain); heads: the tree's size
     branches: list[list[int]] = field(default_factory=list)  # a draft tree: prompt lookup's continuations
     #                                                           to graft on (the latest occurrence's first)
 
@@ -134,14 +143,22 @@ class RequestSpeculation:
         """Whether this request may call the draft model at all."""
         return self.mode in (Proposer.AUTO, Proposer.DRAFT) and self.fixed_gamma != 0
 
+    @property
+    def uses_heads(self) -> bool:
+        """Whether this request's rounds may propose the target's heads' tokens (so its Verify
+        calls ask for them)."""
+        return self.mode in (Proposer.AUTO, Proposer.HEADS) and self.fixed_gamma != 0
+
     def looks_up(self, cap: int, allowed: bool = True) -> bool:
         """Whether the next round's plan would use what prompt lookup finds (else it need not look)."""
         return ((allowed or not self.governed) and self.mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP)
                 and cap > 0 and self.fixed_gamma != 0)
 
-    def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True) -> Plan:
+    def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True,
+             heads: HeadsAtHand | None = None) -> Plan:
         """The next round's source and γ (at most `cap`: tokens left, context room, limits), given
-        what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used).
+        what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used) and
+        the target's heads' proposals at hand (`heads`, None: none).
         allowed=False: the coordinator measured that speculation does not pay under the current
         load (load_governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
         if not allowed and self.governed:
@@ -152,10 +169,13 @@ class RequestSpeculation:
         choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
                                     fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
-                                    max_tree_nodes=self.max_tree_nodes)
+                                    max_tree_nodes=self.max_tree_nodes, heads=heads if self.uses_heads else None)
         if choice.source == Proposer.PROMPT_LOOKUP:
             return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
                         lookup.seconds + time.perf_counter() - t0, choice.speedup)
+        if choice.source == Proposer.HEADS:
+            return Plan(Proposer.HEADS, choice.gamma, [], choice.reason, speedup=choice.speedup,
+                        tree_nodes=choice.tree_nodes)
         if choice.source == Proposer.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
             if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as branches
@@ -195,7 +215,13 @@ class RequestSpeculation:
         goes to the tree rounds' own fit of the draft (one forward per depth, each carrying
         several nodes), and its alternatives beside the spine node the target rejected measure b
         (policy.branch_alpha); its last `lookup_nodes` nodes, prompt lookup's grafted branches,
-        are neither."""
+        are neither. A heads round (its tree or chain) feeds α per depth and b of the heads
+        (heads_estimates.py), and its spine the heads' overall α."""
+        if source == Proposer.HEADS and proposed:
+            outcome = (tree_outcome(tree, accepted_nodes) if tree is not None
+                       else TreeOutcome(proposed, accepted, 0, 0))
+            self.policy.observe_heads(outcome)
+            proposed, accepted, tree = outcome.spine_proposed, outcome.spine_accepted, None
         if tree is not None and proposed:
             outcome = tree_outcome(tree, accepted_nodes, len(tree) - lookup_nodes)
             self.policy.observe_branches(outcome.alternatives_tried, outcome.alternatives_accepted)
@@ -255,6 +281,8 @@ class Speculation:
         self.draft_model = draft_model  # the newest draft model seen (its fingerprint)
         self._drafts: OrderedDict[str, DraftEstimates] = OrderedDict(
             [(draft_model, self._fresh(costs))])
+        # the target's heads, per heads_id over all sessions: α per depth and b (heads_estimates.py)
+        self._heads: OrderedDict[str, DepthAcceptance] = OrderedDict()
 
     def _fresh(self, costs: CostModel) -> DraftEstimates:
         return DraftEstimates(costs, AcceptanceEstimate(PRIOR_DECAY), AcceptanceEstimate(PRIOR_DECAY),
@@ -342,6 +370,30 @@ class Speculation:
             self._switch(spec.policy, draft_model, estimates)
         spec.priors = {**spec.priors, Proposer.DRAFT: estimates.acceptance}
         spec.draft_model = draft_model
+
+    def heads_estimates(self, heads_id: str) -> DepthAcceptance:
+        """What the coordinator learnt of the heads `heads_id` (fresh ones for heads not seen)."""
+        found = self._heads.get(heads_id)
+        if found is None:
+            log.info("target heads %s: their acceptance is learnt anew (other heads' are kept apart)",
+                     heads_id[:12] or "-")
+            found = self._heads[heads_id] = DepthAcceptance(PRIOR_DECAY)
+            while len(self._heads) > MAX_HEADS:
+                self._heads.popitem(last=False)
+        self._heads.move_to_end(heads_id)
+        return found
+
+    def use_heads(self, spec: RequestSpeculation, heads_id: str) -> None:
+        """The request's target replica serves the heads `heads_id`: its rounds plan with what was
+        learnt of them; a session whose target serves other heads now forgets what it learnt of
+        the old ones (ModelInfo.heads_id changed: new heads rolled out)."""
+        heads = spec.policy.heads
+        if heads is not None and heads.heads_id == heads_id:
+            return
+        c = self.config
+        spec.policy.use_heads(SessionHeads(heads_id, self.heads_estimates(heads_id), c.draft_prior_weight,
+                                           c.warmup_rounds, c.branch_prior_ratio, c.branch_prior_weight,
+                                           c.alpha_decay))
 
     def forget(self, session_id: str) -> None:
         self._policies.pop(session_id, None)

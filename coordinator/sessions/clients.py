@@ -148,13 +148,16 @@ class TargetClient(ServiceClient):
     async def verify(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
                      drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams,
                      seed: int, wait_for_ready: bool = True, cache_salt: str = "",
-                     top_logprobs: int | None = None, draft_parents: list[int] | None = None) -> Verdict:
+                     top_logprobs: int | None = None, draft_parents: list[int] | None = None,
+                     head_candidates: int = 0) -> Verdict:
+        """head_candidates: ask a target with heads for each head's that many likeliest tokens
+        (Verdict.head_proposals; a target without heads returns none)."""
         request = target_pb2.VerifyRequest(
             session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, new_tokens=new_tokens,
             draft_tokens=drafts,
             draft_probs=[] if params.greedy else [dist_to_pb(d) for d in draft_probs],
             sampling=sampling_to_pb(params), seed=seed, cache_salt=cache_salt, top_logprobs=top_logprobs,
-            draft_parents=draft_parents or [],
+            draft_parents=draft_parents or [], head_candidates=head_candidates,
         )
         response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready,
                                    stream=self.verify_stream)
@@ -165,7 +168,7 @@ class TargetClient(ServiceClient):
                 "top_logprobs): upgrade it, or leave top_logprobs unset")
         return Verdict(response.num_accepted, response.next_token, response.is_bonus,
                        list(response.accept_probs), response.cached_len, response.restored_tokens, logprobs,
-                       tuple(response.accepted_nodes))
+                       tuple(response.accepted_nodes), tuple(dist_from_pb(d) for d in response.head_proposals))
 
     async def release(self, session_id: str, timeout_s: float | None = None) -> bool:
         request = target_pb2.TargetServiceReleaseRequest(session_id=session_id)

@@ -48,12 +48,18 @@ Check = Callable[[ModelDescription], None]  # raises (naming the difference) whe
 
 
 def model_fingerprint(info: ModelDescription) -> str:
-    """The model a replica serves, as its model info names it (id, dtype, device, output size):
-    what the coordinator's estimates of a model are kept by. A new checkpoint rolled out under a
-    new path (or hub id) is another model; one written over the old path is not (give each
-    checkpoint its own path, docs/models.md#rolling-out-a-distilled-draft)."""
-    identity = "\x00".join((info.model_id, info.dtype, info.device, str(info.vocab_size)))
+    """The model a replica serves, as its model info names it (id, dtype, device, output size,
+    the checkpoint's identity): what the coordinator's estimates of a model are kept by. A new
+    checkpoint is another model, whether rolled out under a new path or written over the old
+    one (its checkpoint_id differs: specdec/checkpoint.py)."""
+    identity = "\x00".join((info.model_id, info.dtype, info.device, str(info.vocab_size), info.checkpoint_id))
     return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
+
+
+def _serves(info: ModelDescription) -> tuple[str, int, str]:
+    """What a replica serves, as a refresh compares it: its model and its heads (a target
+    restarted with other heads keeps its model fingerprint)."""
+    return model_fingerprint(info), info.num_heads, info.heads_id
 
 
 def weight(key: str, address: str) -> int:
@@ -141,6 +147,15 @@ class ReplicaPool:
         """The fingerprint of the model the replica at `address` serves (None: not known)."""
         replica = self._replicas.get(address)
         return model_fingerprint(replica.info) if replica is not None and replica.info is not None else None
+
+    def info_of(self, address: str) -> ModelDescription | None:
+        """The model info of the replica at `address` (None: not known)."""
+        replica = self._replicas.get(address)
+        return replica.info if replica is not None else None
+
+    def infos(self) -> list[ModelDescription]:
+        """The model info of every replica that has answered and was not refused."""
+        return [r.info for r in self._replicas.values() if r.info is not None and r.state != REFUSED]
 
     def ready_client(self, address: str) -> ServiceClient | None:
         replica = self._replicas.get(address)
@@ -297,7 +312,7 @@ class ReplicaPool:
         size = self.fingerprint_vocab_size
         try:
             info = await replica.client.info(self.probe_timeout_s, wait_for_ready=False)
-            changed = model_fingerprint(info) != model_fingerprint(replica.info)
+            changed = _serves(info) != _serves(replica.info)
             if changed:
                 info = await replica.client.info(self.probe_timeout_s, fingerprint_vocab_size=size)
         except (grpc.aio.AioRpcError, SpecdecError) as exc:

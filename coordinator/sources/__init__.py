@@ -1,6 +1,7 @@
 """Proposal sources: one module per source behind one interface (`base.ProposalSource`): the draft
 model (`draft_model.py`, with its call made ahead in `draft_ahead.py`), prompt lookup
-(`prompt_lookup.py`, with its n-gram index in `lookup_index.py`) and none (`none.py`).
+(`prompt_lookup.py`, with its n-gram index in `lookup_index.py`), the target's heads (`heads.py`)
+and none (`none.py`).
 
 Decides: the tokens a planned round proposes and the work alongside its verification.
 May import: the shared library, `coordinator.policy`, `coordinator.sessions`, the round's records at

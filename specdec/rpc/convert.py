@@ -59,6 +59,9 @@ def model_info_to_pb(desc: ModelDescription) -> common_pb2.ModelInfo:
         cpu=None if desc.cpu is None else common_pb2.CpuPlacement(
             boot_id=desc.cpu.boot_id, cores=sorted(desc.cpu.cores), threads=desc.cpu.threads),
         verifies_trees=desc.verifies_trees,
+        num_heads=desc.num_heads,
+        heads_id=desc.heads_id,
+        checkpoint_id=desc.checkpoint_id,
     )
 
 
@@ -87,6 +90,9 @@ def model_info_from_pb(pb: common_pb2.ModelInfo) -> ModelDescription:
         max_speculative_tokens=pb.max_speculative_tokens,
         cpu=_placement_from_pb(pb.cpu) if pb.HasField("cpu") else None,
         verifies_trees=pb.verifies_trees,
+        num_heads=pb.num_heads,
+        heads_id=pb.heads_id,
+        checkpoint_id=pb.checkpoint_id,
     )
 
 

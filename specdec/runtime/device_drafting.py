@@ -10,7 +10,10 @@ each request's own uniforms, so a seeded request reproduces on this engine.
 
 Calls the loop does not cover keep the host loop, in the same batch: calls with hints (their
 first step decides how many hints to keep), and sampled calls whose top-k is wider than the
-proposal's K. Trees grow as on every engine (tree_drafting.py). A call that asks to stop early
+proposal's K. Trees grow as the host loop grows them (tree_drafting.py: one forward per depth,
+the same trees node for node) but by the engine's tree loop (graph/tree_loop.py): one forward of
+the feeds, then every depth picked and run on the device, one host read per batch instead of
+one per call per depth. A call that asks to stop early
 (min_confidence) is cut after the first draft below it, as the host loop stops there; the loop
 drafted the rest for nothing.
 """
@@ -21,10 +24,14 @@ from typing import Sequence
 
 import torch
 
+from specdec.maths.tree import TREE_WIDTH
 from specdec.runtime.batched_acceptance import row_uniforms
 from specdec.runtime.batched_proposal import RowWarps, fits_on_device
-from specdec.runtime.drafting import ChainDraft, ModelProposer
+from specdec.runtime.batched_tree_drafting import keep_slots
+from specdec.runtime.drafting import ChainDraft, ModelProposer, ProposeCall
+from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row
+from specdec.runtime.tree_drafting import finish_tree, growing_on, start_trees
 from specdec.types import SparseDist
 
 
@@ -40,6 +47,33 @@ class DeviceDrafting(ModelProposer):
             super().draft_chains([live[i] for i in host], [rows[i] for i in host], results)
         if loop:
             self._draft_on_device([live[i] for i in loop], [rows[i] for i in loop], results)
+
+    tree_loops = 0  # tree batches grown by the device loop (tests and the bench read it)
+
+    def grow_trees(self, trees: list[tuple[int, SessionCache, Sequence[int], ProposeCall]], results: list) -> None:
+        """Every tree of the batch grown by the engine's tree loop (graph/tree_loop.py): ONE
+        forward of the feeds, then every depth on the device, one host read; the trees are the
+        host loop's (tree_drafting.py), node for node."""
+        runner = self.runner
+        live, rows = start_trees(trees)
+        try:
+            logits = runner.forward_batch(rows)  # per row [1, vocab]
+            kept = runner.tree_steps([(g.session_id, g.entry) for g in live], torch.cat(logits),
+                                     max(g.depths for g in live), [g.params for g in live])
+            kept = kept.tolist()  # the batch's one host read: [C][depth][slot] (valid, index, token, score)
+        except Exception as exc:  # noqa: BLE001 - every tree call failed with it
+            for growing in live:
+                growing.entry.crop(growing.base)
+                results[growing.index] = exc
+            return
+        self.tree_loops += 1
+        w = min(TREE_WIDTH, runner.vocab_size)  # candidates per frontier row
+        for growing, depths in zip(live, kept):
+            for slots in depths:
+                if not growing_on(growing):
+                    break
+                keep_slots(growing, slots, w)
+            results[growing.index] = finish_tree(runner, growing)
 
     def _draft_on_device(self, live: Sequence[ChainDraft], rows: Sequence[Row], results: list) -> None:
         runner = self.runner

@@ -202,7 +202,7 @@ class ModelProposer:
             rows.append(Row(call.session_id, entry, [*feed, *call.hints], 1 + len(call.hints)))
         self.draft_chains(live, rows, results)
         if trees:
-            grow_trees(runner, trees, results)
+            self.grow_trees(trees, results)
         for call, entry in started:  # its history is committed; a call made ahead's last ones are not
             runner.keep_committed(entry, call.prefix_len + len(call.new_tokens) - call.uncommitted, call.cache_salt)
         runner.finish([call.session_id for call in calls])
@@ -241,6 +241,12 @@ class ModelProposer:
                     results[drafting.index] = self.proposal(drafting)
             live = still
             rows = [Row(d.call.session_id, d.entry, d.tokens[-1:], 1) for d in live]
+
+    def grow_trees(self, trees: list[tuple[int, SessionCache, Sequence[int], ProposeCall]], results: list) -> None:
+        """The trees' drafting (tree_drafting.py): one forward per depth for every tree, each
+        depth picked on the host call by call. An engine with a better one overrides this (the
+        graph engine's, every tree of a depth at once on the device, device_drafting.py)."""
+        grow_trees(self.runner, trees, results)
 
     def proposal(self, drafting: ChainDraft) -> Proposal:
         """A call's answer once it has drafted."""

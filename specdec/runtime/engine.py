@@ -17,6 +17,10 @@ The parts of the contract:
   checked), `keep_path` (a tree's accepted path), `release` (drop), the cache bounds;
 - one batched forward over ragged rows (`forward_batch`: per row its own length, positions and,
   for a tree, its mask);
+- a target's Medusa-style heads (`serve target --heads`, target_heads.py): `heads` (None without
+  them) and `forward_hidden`, forward_batch that also hands out, per row, the hidden states its
+  output layer took at the kept positions ([keep_logits, hidden], aligned with the logits), which
+  the verifier turns into the heads' proposals; forward_batch itself stays as it is;
 - chunked prefill of long inputs (`needs_prefill_steps`, `held_prefix`, `prefill_step`);
 - validation before any cache is touched (`check_request`, `check_token_ids`);
 - the draft's k-step loop and verification, as `Drafting` and `Verification` objects.
@@ -76,6 +80,7 @@ class ModelEngine(Protocol):
     kv_tier: Any                   # the prefix cache / K/V store (kv_tier.KVTier), or None
     verifies_trees: bool           # forward_batch takes rows with a token tree
     grows_trees: bool              # ... and one whose earlier depths are cached (the draft's trees)
+    heads: Any                     # a target's heads (target_heads.TargetHeads), None without --heads
 
     def warm_up(self) -> None: ...
 
@@ -89,6 +94,8 @@ class ModelEngine(Protocol):
     def finish(self, keep: str | Iterable[str], extra_bytes: int = 0) -> None: ...
 
     def forward_batch(self, rows: Sequence[Row]) -> list: ...
+
+    def forward_hidden(self, rows: Sequence[Row]) -> tuple[list, list]: ...
 
     def needs_prefill_steps(self, new_tokens: Sequence[int]) -> bool: ...
 
@@ -111,13 +118,19 @@ class SessionEngine(SessionRunner):
 
     def warm_up(self) -> None:
         """Prefill a short prompt, decode one token after it and roll one back, then forget the
-        session: the first real call finds every lazy initialisation done. An engine with more to
+        session: the first real call finds every lazy initialisation done. With heads the decode
+        step hands out its hidden state and the heads run once on it. An engine with more to
         prepare (graph capture) does it first and calls this."""
         tokens = [i % max(1, self.embedding_size) for i in range(1, WARM_UP_TOKENS + 1)]
         try:
             entry, feed = self.begin(WARM_UP_SESSION, 0, 0, tokens)
             self.forward(WARM_UP_SESSION, entry, feed, 1)  # prefill
-            self.forward(WARM_UP_SESSION, entry, tokens[:1], 1)  # a decode step
+            decode = [Row(WARM_UP_SESSION, entry, tokens[:1], 1)]  # a decode step
+            if self.heads is None:
+                self.forward_batch(decode)
+            else:
+                _, [hidden] = self.forward_hidden(decode)  # [1, hidden]
+                self.heads.proposals(hidden, [1])
             entry.crop(len(tokens))  # a rollback
         finally:
             self.release(WARM_UP_SESSION)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -69,10 +70,25 @@ def check_memory_fraction(fraction: float, backend: Backend, device: str) -> Non
 
 
 def runner_from_config(config) -> SessionRunner:
-    """Load the model of a ModelServiceConfig on its engine, with its cache bounds."""
+    """Load the model of a ModelServiceConfig on its engine, with its cache bounds; its
+    description names the checkpoint's files (specdec/checkpoint.py)."""
+    from specdec.checkpoint import checkpoint_id
+
+    runner = _load_runner(config)
+    runner.description = dataclasses.replace(runner.description, checkpoint_id=checkpoint_id(config.model))
+    return runner
+
+
+def _load_runner(config) -> SessionRunner:
+    """The runner of a ModelServiceConfig's model on its engine."""
     backend = resolve_backend(config.backend, config.model, device=config.device,
                               quantize=getattr(config, "quantize", Quantization.NONE))
     check_memory_fraction(config.kv_cache_memory_fraction, backend, config.device)
+    heads = getattr(config, "heads", "")  # a target's --heads
+    if heads and backend == Backend.LLAMA_CPP:
+        raise ModelLoadError(f"--heads needs the target's hidden states, which the llama.cpp backend does "
+                             f"not hand out here; serve {config.model} with --backend torch or graph, or "
+                             "drop --heads")
     if backend == Backend.LLAMA_CPP:
         from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
 
@@ -95,7 +111,7 @@ def runner_from_config(config) -> SessionRunner:
     if backend == Backend.GRAPH:
         return graph_runner(config)
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
-                        getattr(config, "quantize", Quantization.NONE), config.prepack)
+                        getattr(config, "quantize", Quantization.NONE), config.prepack, heads)
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
     runner = ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
     runner.kv_tier = kv_tier_for(runner, config)
@@ -113,7 +129,8 @@ def graph_runner(config) -> SessionRunner:
     if quantize in (Quantization.INT8, Quantization.INT4):
         raise ModelLoadError(f"--backend graph runs plain weights, not --quantize {quantize}; "
                              "pass --quantize none, or --backend torch")
-    loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code)
+    loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
+                        heads=getattr(config, "heads", ""))
     runner = graph_runner_from_config(config, loaded)
     runner.kv_tier = kv_tier_for(runner, config, "graph", runner.hf_config,
                                  lambda: tensors_digest(runner.named_weights().items()))

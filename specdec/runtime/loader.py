@@ -29,12 +29,18 @@ class LoadedModel:
     model_id: str
     dtype: torch.dtype
     device: torch.device
+    # --heads: (MedusaHeads, HeadsMeta, heads_id) loaded with the model (target_heads.load_for); None: none
+    heads: Any = None
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
                trust_remote_code: bool = False, quantize: str = Quantization.NONE,
-               prepack: bool = False) -> LoadedModel:
+               prepack: bool = False, heads: str = "") -> LoadedModel:
     """Load model + tokenizer through transformers' Auto classes.
+
+    heads: a heads directory (`serve target --heads`) loaded for this model on its device in its
+    dtype, before its linears are packed or quantized (their identity check reads the plain
+    output layer); HeadsMismatch when they belong to another model.
 
     prepack: a bfloat16 model's linear weights reordered once for oneDNN where this CPU takes it
     (specdec/runtime/prepack.py): the same products, faster; a quantized model is not touched.
@@ -69,6 +75,11 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     target_device = torch.device(device)
     model = model.to(device=target_device, dtype=torch_dtype).eval()
+    loaded_heads = None
+    if heads:
+        from specdec.runtime.target_heads import load_for
+
+        loaded_heads = load_for(heads, model, target_device, torch_dtype)
     if quantize in CPU_ONLY:
         model = quantize_linears(model, quantize)
     packed = prepack and quantize == Quantization.NONE and packing_available(target_device, torch_dtype)
@@ -78,7 +89,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         log.info("--prepack: oneDNN here takes no packed bfloat16 linear; %s runs unpacked", spec)
     linears = f", {quantize} linears" if quantize in CPU_ONLY else ", oneDNN-packed linears" if packed else ""
     log.info("loaded %s (%s%s on %s)", spec, dtype, linears, target_device)
-    return LoadedModel(model, tokenizer, spec, torch_dtype, target_device)
+    return LoadedModel(model, tokenizer, spec, torch_dtype, target_device, loaded_heads)
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -1,7 +1,9 @@
 """The torch engine: run a transformers causal LM over sessions and return logits.
 
 `forward_batch` runs several sessions in ONE forward over their K/V buffers (a ragged batch,
-see batch_cache.py); models whose cache cannot live in buffers run the rows one by one.
+see batch_cache.py); models whose cache cannot live in buffers run the rows one by one. With
+heads (`--heads`), a forward pre-hook on the output layer keeps what it takes, and
+`forward_hidden` hands it out per row beside the logits (target_heads.py).
 Rollback, chunked prefill and the cache bounds are the engine-independent half
 (session_runner.py). Long inputs are prefilled in chunks (`prefill_step`), each a separate
 worker task, so one long prompt does not hold the model for every other session.
@@ -22,6 +24,7 @@ from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionC
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
 from specdec.runtime.engine import SessionEngine
 from specdec.runtime.session_runner import Row
+from specdec.runtime.target_heads import OutputLayerInputs, TargetHeads
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
 
@@ -42,6 +45,7 @@ class ModelRunner(SessionEngine):
         self.prefill_chunk = max(1, prefill_chunk)
         self.tokens_run = 0  # tokens forwarded since start (prefill work included)
         self.restored = {}
+        self.output_inputs: OutputLayerInputs | None = None  # with heads: what the output layer took last
         head = self.model.get_output_embeddings()  # out_features: an int8 head has no .weight
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.embedding_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -62,6 +66,10 @@ class ModelRunner(SessionEngine):
         if self.kv_spec is not None and not self._batches_agree():
             self.kv_spec, why = None, "a batched forward of two sessions disagreed with running them alone"
         self.description = dataclasses.replace(self.description, verifies_trees=self.verifies_trees)
+        self.heads = TargetHeads.of(loaded.heads, head)
+        if self.heads is not None:
+            self.output_inputs = OutputLayerInputs(head)
+            self.description = self.heads.describe(self.description)
         if self.kv_spec is None:
             log.warning("%s: per-session DynamicCache, no batched forwards (%s)", loaded.model_id, why)
         else:
@@ -120,7 +128,6 @@ class ModelRunner(SessionEngine):
         """An empty session cache of the kind this model uses."""
         return SessionCache(DynamicKV() if self.kv_spec is None else KVBuffer(self.kv_spec))
 
-    @torch.inference_mode()
     def forward_batch(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Append each row's tokens to its session in ONE forward (rows are distinct sessions);
         per row, float32 logits of its last keep_logits positions -> [keep_logits, vocab].
@@ -128,11 +135,24 @@ class ModelRunner(SessionEngine):
         A forward that fails part-way may leave layers that disagree: the rows' caches are then
         dropped, so their next calls rebuild them.
         """
+        return self._run(rows, False)[0]
+
+    def forward_hidden(self, rows: Sequence[Row]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """forward_batch, and per row what the output layer took at the same positions
+        -> [keep_logits, hidden] (with heads only)."""
+        if self.output_inputs is None:
+            raise RuntimeError(f"{self.description.model_id} serves no heads: it keeps no hidden states")
+        return self._run(rows, True)
+
+    @torch.inference_mode()
+    def _run(self, rows: Sequence[Row], hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward of forward_batch: per row its logits and, when `hidden`, its hidden states."""
         try:
             if self.kv_spec is None:
-                logits = [self._forward_dynamic(row) for row in rows]
+                pairs = [self._forward_dynamic(row) for row in rows]
+                logits, states = [logit for logit, _ in pairs], [state for _, state in pairs]
             else:
-                logits = self._forward_buffered(rows)
+                logits, states = self._forward_buffered(rows)
         except BaseException as exc:
             for row in rows:
                 self.caches.discard(row.session_id, row.entry)
@@ -144,18 +164,29 @@ class ModelRunner(SessionEngine):
             row.entry.append(row.tokens)
             self.caches.account(row.entry)
             self.tokens_run += len(row.tokens)
-        return logits
+        return logits, (states if hidden else [])
 
-    def _forward_dynamic(self, row: Row) -> torch.Tensor:
-        """The fallback: one session through its DynamicCache -> [keep_logits, vocab]."""
+    def _hidden_rows(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
+        """Per row, the output layer's input at its last keep_logits positions -> [keep_logits,
+        hidden] (rows right-aligned: the last columns); None per row without heads."""
+        if self.output_inputs is None:
+            return [None] * len(rows)
+        taken = self.output_inputs.take()  # [B, keep, hidden]
+        width = taken.shape[1]
+        return [taken[b, width - row.keep_logits:] for b, row in enumerate(rows)]
+
+    def _forward_dynamic(self, row: Row) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fallback: one session through its DynamicCache -> [keep_logits, vocab] and, with
+        heads, [keep_logits, hidden]."""
         input_ids = batch_cache.input_ids([row.tokens], len(row.tokens), self.device)  # [1, n]
         kv = row.entry.kv
         out = self.model(input_ids=input_ids, cache=kv.cache, use_cache=True, logits_to_keep=row.keep_logits)
         kv.cache = out.cache
-        return out.logits[0, -row.keep_logits:].float()
+        return out.logits[0, -row.keep_logits:].float(), self._hidden_rows([row])[0]
 
-    def _forward_buffered(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """Every row in one forward over the sessions' K/V buffers (see batch_cache)."""
+    def _forward_buffered(self, rows: Sequence[Row]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Every row in one forward over the sessions' K/V buffers (see batch_cache): per row its
+        logits and, with heads, its hidden states."""
         pasts = [len(row.entry) for row in rows]
         lengths = [len(row.tokens) for row in rows]
         n = max(lengths)
@@ -183,4 +214,4 @@ class ModelRunner(SessionEngine):
         if kv is not None:
             batch_cache.scatter(kv, buffers, pasts, lengths)
         logits = out.logits.float()  # [B, keep, vocab]
-        return [logits[b, keep - row.keep_logits:] for b, row in enumerate(rows)]
+        return [logits[b, keep - row.keep_logits:] for b, row in enumerate(rows)], self._hidden_rows(rows)

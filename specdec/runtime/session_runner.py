@@ -50,6 +50,7 @@ class SessionRunner:
     tokens_run: int  # tokens forwarded since start (prefill work included)
     kv_tier: Any = None  # a KVTier (kv_tier.py) where the engine can move K/V chunks, else None
     restored: dict[str, int]  # per session, tokens restored from chunks not yet reported by a call
+    heads: Any = None  # the target's Medusa-style heads (target_heads.TargetHeads), None without --heads
 
     def new_entry(self) -> SessionCache:
         """An empty session cache of the kind this engine uses."""
@@ -75,6 +76,12 @@ class SessionRunner:
         """Append each row's tokens to its session in ONE forward (rows are distinct sessions);
         per row, float32 logits of its last keep_logits positions -> [keep_logits, vocab]."""
         raise NotImplementedError
+
+    def forward_hidden(self, rows: Sequence[Row]) -> tuple[list, list]:
+        """forward_batch, and per row the hidden states its output layer took at the same positions
+        -> ([keep_logits, vocab] float32, [keep_logits, hidden] in the model's dtype) per row. Only
+        an engine with heads (`heads` set) hands them out."""
+        raise NotImplementedError(f"{type(self).__name__} hands out no hidden states")
 
     # ---- validation (no cache access) -----------------------------------------------------
 

@@ -49,6 +49,10 @@ class _Growing:
     def tree(self) -> TokenTree:
         return TokenTree(tuple(self.tokens), tuple(self.parents))
 
+    def spine_parent(self) -> int:
+        """The node the spine goes on under (-1: the root)."""
+        return self.spine[-1] if self.spine else -1
+
 
 def candidates(logits: torch.Tensor, params: SamplingParams, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `width` likeliest children of each row and the draft's probability of each: the
@@ -61,7 +65,10 @@ def candidates(logits: torch.Tensor, params: SamplingParams, width: int) -> tupl
 
 
 def extend(growing: _Growing, logits: torch.Tensor) -> None:
-    """One depth: the TREE_WIDTH best children of the frontier by path score. logits [f, vocab]."""
+    """One depth: the TREE_WIDTH best children of the frontier by path score. logits [f, vocab].
+    The pool is sorted by path score, stably in (frontier row, rank) order: ties keep the
+    earlier row's, then the likelier child (the device's batched depth, batched_tree_drafting.py,
+    keeps the same order)."""
     ids, probs = candidates(logits, growing.params, TREE_WIDTH)  # [f, w]
     pool: list[tuple[float, int, int]] = []  # (path score, parent node or -1, token)
     for row, parent in enumerate(growing.frontier):
@@ -69,7 +76,7 @@ def extend(growing: _Growing, logits: torch.Tensor) -> None:
         for token, prob in zip(ids[row].tolist(), probs[row].tolist()):
             if prob > 0:
                 pool.append((above * prob, parent, token))
-    spine_parent = growing.spine[-1] if growing.spine else -1
+    spine_parent = growing.spine_parent()
     row = growing.frontier.index(spine_parent) if spine_parent in growing.frontier else None
     pool.sort(key=lambda c: -c[0])
     kept = pool[:TREE_WIDTH]
@@ -79,6 +86,12 @@ def extend(growing: _Growing, logits: torch.Tensor) -> None:
         if not any((parent, token) == chain for _, parent, token in kept):
             above = 1.0 if spine_parent < 0 else growing.scores[spine_parent]
             kept = kept[:TREE_WIDTH - 1] + [(above * float(probs[row, 0]), *chain)]
+    keep(growing, kept, chain)
+
+
+def keep(growing: _Growing, kept: Sequence[tuple[float, int, int]], chain: tuple[int, int] | None) -> None:
+    """Add a depth's kept children, in order — (path score, parent node or -1, token) each; the
+    one equal to `chain` (parent, token) continues the spine — as the new frontier."""
     growing.frontier = []
     for score, parent, token in kept:
         if (parent, token) == chain:
@@ -101,34 +114,49 @@ def cut(growing: _Growing) -> TokenTree:
     return subtree(growing.tree(), sorted(spine + others[:growing.budget - len(spine)]))
 
 
-def grow_trees(runner: SessionRunner, calls: Sequence[tuple[int, SessionCache, Sequence[int], object]],
-               results: list) -> None:
-    """calls: (index, entry, tokens to feed, the ProposeCall) of calls asking for trees, their
-    sessions rolled back already; each result (a Proposal with parents, or the exception) goes
-    to results[index]. One forward for the feed, then one per depth, for every tree at once."""
+TreeCalls = Sequence[tuple[int, SessionCache, Sequence[int], object]]  # (index, entry, feed, ProposeCall)
+
+
+def start_trees(calls: TreeCalls) -> tuple[list[_Growing], list[Row]]:
+    """Each call's growing tree and the row of its first forward (its feed, the root last)."""
     live = [_Growing(index, call.session_id, entry, call.params, call.gamma, call.tree_nodes,
                      len(entry) + len(feed)) for index, entry, feed, call in calls]
-    rows = [Row(g.session_id, g.entry, list(feed), 1) for g, (_, _, feed, _) in zip(live, calls)]
+    return live, [Row(g.session_id, g.entry, list(feed), 1) for g, (_, _, feed, _) in zip(live, calls)]
+
+
+def growing_on(growing: _Growing) -> bool:
+    """Whether a tree grows another depth."""
+    return growing.grown < growing.depths and bool(growing.frontier)
+
+
+def finish_tree(runner: SessionRunner, growing: _Growing) -> Proposal:
+    """A grown tree's Proposal (cut to its budget); the session keeps its history only: the next
+    call sends the path the target accepted."""
+    tree = cut(growing)
+    growing.entry.crop(growing.base)
+    return Proposal(list(tree.tokens), [SparseDist.one_hot(t) for t in tree.tokens], len(growing.entry), 0,
+                    runner.take_restored(growing.session_id), parents=tree.parents)
+
+
+def grow_trees(runner: SessionRunner, calls: TreeCalls, results: list) -> None:
+    """calls: (index, entry, tokens to feed, the ProposeCall) of calls asking for trees, their
+    sessions rolled back already; each result (a Proposal with parents, or the exception) goes
+    to results[index]. One forward for the feed, then one per depth, for every tree at once,
+    each depth picked on the host call by call (the graph engine picks them on the device,
+    graph/tree_loop.py)."""
+    live, rows = start_trees(calls)
     while live:
         try:
-            logits = runner.forward_batch(rows)  # per row [frontier, vocab]
-            for growing, row_logits in zip(live, logits):
-                extend(growing, row_logits)
+            for growing, logits in zip(live, runner.forward_batch(rows)):  # per row [frontier, vocab]
+                extend(growing, logits)
         except Exception as exc:  # noqa: BLE001 - every call in the forward failed with it
             for growing in live:
                 growing.entry.crop(growing.base)
                 results[growing.index] = exc
             return
-        still = []
         for growing in live:
-            if growing.grown < growing.depths and growing.frontier:
-                still.append(growing)
-                continue
-            tree = cut(growing)
-            growing.entry.crop(growing.base)  # the history only: the next call sends the accepted path
-            results[growing.index] = Proposal(list(tree.tokens), [SparseDist.one_hot(t) for t in tree.tokens],
-                                              len(growing.entry), 0, runner.take_restored(growing.session_id),
-                                              parents=tree.parents)
-        live = still
+            if not growing_on(growing):
+                results[growing.index] = finish_tree(runner, growing)
+        live = [growing for growing in live if growing_on(growing)]
         rows = [Row(g.session_id, g.entry, [g.tokens[i] for i in g.frontier], len(g.frontier), g.tree())
                 for g in live]

@@ -1,7 +1,10 @@
-"""Verification: one forward pass over new tokens + drafts, then the acceptance step."""
+"""Verification: one forward pass over new tokens + drafts, then the acceptance step; with a
+target's heads, their proposals for the next round read in the same pass."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -12,12 +15,15 @@ from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.maths.logprobs import token_logprobs
 from specdec.runtime.generators import make_generator
+from specdec.runtime.heads import MAX_HEAD_CANDIDATES
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.maths.sampling import target_probs
 from specdec.maths.tree import TokenTree
 from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.types import SamplingParams, SparseDist, TokenLogprobs, Verdict, check_top_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class VerifyCall:
     cache_salt: str = ""  # mixed into its K/V chunk keys
     top_logprobs: int | None = None  # None: no log-probabilities; N: each emitted token's and N more
     tree: TokenTree | None = None  # the drafts as a tree (None: a chain)
+    head_candidates: int = 0  # per head, this many proposals for the next round (0: none, or no heads)
 
 
 class Verifier:
@@ -46,9 +53,14 @@ class Verifier:
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
              drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams, seed: int,
              cache_salt: str = "", top_logprobs: int | None = None,
-             draft_parents: Sequence[int] = ()) -> VerifyCall:
-        """Validate a request without touching any cache (InvalidArgument naming what is wrong)."""
+             draft_parents: Sequence[int] = (), head_candidates: int = 0) -> VerifyCall:
+        """Validate a request without touching any cache (InvalidArgument naming what is wrong).
+        head_candidates on a target without heads asks for nothing (the call gets 0)."""
         runner = self.runner
+        if not 0 <= head_candidates <= MAX_HEAD_CANDIDATES:
+            raise InvalidArgument(f"head_candidates must be in 0..{MAX_HEAD_CANDIDATES}, got {head_candidates}")
+        if runner.heads is None:
+            head_candidates = 0
         gamma = len(drafts)
         if gamma > runner.description.max_speculative_tokens:
             raise InvalidArgument(
@@ -75,13 +87,14 @@ class Verifier:
             # forward running on the model thread; _accept moves it there without blocking
             draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size)
         return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed,
-                          cache_salt, top_logprobs, tree)
+                          cache_salt, top_logprobs, tree, head_candidates)
 
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[Verdict | Exception]:
         """Run on the model worker: roll each session back, ONE forward over every row's new
         tokens + drafts, then each row's acceptance step with its own generator; crop each
-        session after its last accepted draft. Calls are of distinct sessions. A row's failure
-        (cache miss, bad q) is its own result; a failed forward is the result of every row in it."""
+        session after its last accepted draft; the heads' proposals of the calls that ask for
+        them. Calls are of distinct sessions. A row's failure (cache miss, bad q) is its own
+        result; a failed forward is the result of every row in it."""
         runner = self.runner
         results: list[Verdict | Exception | None] = [None] * len(calls)
         started: list[tuple[int, SessionCache]] = []  # (index, the session's cache)
@@ -95,8 +108,12 @@ class Verifier:
                 continue
             started.append((index, entry))
             rows.append(Row(call.session_id, entry, list(feed) + call.drafts, len(call.drafts) + 1, call.tree))
+        hidden: list = []  # per row [γ+1, hidden] when a call asks for the heads' proposals
         try:
-            logits = runner.forward_batch(rows) if rows else []  # per row [γ+1, vocab]
+            if any(calls[index].head_candidates for index, _ in started):
+                logits, hidden = runner.forward_hidden(rows)  # per row [γ+1, vocab], [γ+1, hidden]
+            else:
+                logits = runner.forward_batch(rows) if rows else []  # per row [γ+1, vocab]
         except Exception as exc:  # noqa: BLE001 - every row of the forward failed with it
             logits = [exc] * len(rows)
         forwarded: list[tuple[int, SessionCache, torch.Tensor]] = []
@@ -111,8 +128,29 @@ class Verifier:
             if not isinstance(verdict, Exception):
                 call = calls[index]
                 runner.keep_committed(entry, call.prefix_len + len(call.new_tokens), call.cache_salt)
+        if hidden:
+            at_row = {index: row for row, (index, _) in enumerate(started)}
+            self._add_head_proposals(calls, results, {index: hidden[at_row[index]] for index, _, _ in forwarded})
         runner.finish([call.session_id for call in calls])
         return results
+
+    def _add_head_proposals(self, calls: Sequence[VerifyCall], results: list, hidden: dict[int, torch.Tensor]) -> None:
+        """The heads' proposals of every verified call that asks for them, in one pass of the heads:
+        each read at the hidden state whose logits chose its next token (hidden: per call index
+        [γ+1, hidden], the rows of its logits). Proposals never change a verdict: should the heads
+        fail, the verdicts go without them."""
+        asking = [index for index, state in hidden.items()
+                  if calls[index].head_candidates and isinstance(results[index], Verdict)]
+        if not asking:
+            return
+        try:
+            states = torch.stack([hidden[index][chose_next_token(results[index])] for index in asking])  # [n, hidden]
+            proposals = self.runner.heads.proposals(states, [calls[index].head_candidates for index in asking])
+        except Exception:  # noqa: BLE001 - the verdicts stand; the next rounds propose otherwise
+            log.exception("the heads' proposals failed; %d verdict(s) go without them", len(asking))
+            return
+        for index, proposal in zip(asking, proposals):
+            results[index] = dataclasses.replace(results[index], head_proposals=proposal)
 
     def accept_rows(self, rows: Sequence[tuple[VerifyCall, SessionCache, torch.Tensor]]) -> list[Verdict | Exception]:
         """The acceptance step of each forwarded row (its call, cache and logits [γ+1, vocab]),
@@ -172,3 +210,11 @@ class Verifier:
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)
+
+
+def chose_next_token(verdict: Verdict) -> int:
+    """The row of a call's logits that chose its next token: a chain's after its accepted drafts
+    (num_accepted), a tree's after its last accepted node (node + 1), the root's (0) when none was."""
+    if verdict.accepted_nodes:
+        return verdict.accepted_nodes[-1] + 1
+    return verdict.num_accepted

@@ -41,7 +41,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "tokenizer_vocab_size", "eos_token_ids", "max_context_length", "dtype", "device", "max_speculative_tokens", "cpu", "verifies_trees", "num_heads", "heads_id")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "tokenizer_vocab_size", "eos_token_ids", "max_context_length", "dtype", "device", "max_speculative_tokens", "cpu", "verifies_trees", "num_heads", "heads_id", "checkpoint_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ModelInfo(_message.Message):
     VERIFIES_TREES_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEADS_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -68,7 +69,8 @@ class ModelInfo(_message.Message):
     verifies_trees: bool
     num_heads: int
     heads_id: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., cpu: _Optional[_Union[CpuPlacement, _Mapping]] = ..., verifies_trees: _Optional[bool] = ..., num_heads: _Optional[int] = ..., heads_id: _Optional[str] = ...) -> None: ...
+    checkpoint_id: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., cpu: _Optional[_Union[CpuPlacement, _Mapping]] = ..., verifies_trees: _Optional[bool] = ..., num_heads: _Optional[int] = ..., heads_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
 
 class CpuPlacement(_message.Message):
     __slots__ = ("boot_id", "cores", "threads")
@@ -93,7 +95,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_round", "draft_seconds", "target_seconds", "coordinator_seconds", "draft_prefill_tokens", "target_prefill_tokens", "cache_misses", "accepted_per_position", "fallback_rounds", "target_retries", "draft_rounds", "ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens", "rounds_by_gamma", "gamma_per_round", "draft_hint_tokens", "draft_hint_accepted_tokens", "draft_ahead_calls", "draft_ahead_rounds", "draft_restored_tokens", "target_restored_tokens", "tree_rounds", "tree_draft_tokens", "tree_accepted_tokens", "tree_branch_accepted_tokens", "tree_accepted_per_depth", "tree_tokens_per_round", "tree_lookup_tokens", "tree_lookup_accepted_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_round", "draft_seconds", "target_seconds", "coordinator_seconds", "draft_prefill_tokens", "target_prefill_tokens", "cache_misses", "accepted_per_position", "fallback_rounds", "target_retries", "draft_rounds", "ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens", "rounds_by_gamma", "gamma_per_round", "draft_hint_tokens", "draft_hint_accepted_tokens", "draft_ahead_calls", "draft_ahead_rounds", "draft_restored_tokens", "target_restored_tokens", "tree_rounds", "tree_draft_tokens", "tree_accepted_tokens", "tree_branch_accepted_tokens", "tree_accepted_per_depth", "tree_tokens_per_round", "tree_lookup_tokens", "tree_lookup_accepted_tokens", "heads_rounds", "heads_draft_tokens", "heads_accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,9 @@ class GenerationStats(_message.Message):
     TREE_TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -166,7 +171,10 @@ class GenerationStats(_message.Message):
     tree_tokens_per_round: float
     tree_lookup_tokens: int
     tree_lookup_accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., coordinator_seconds: _Optional[float] = ..., draft_prefill_tokens: _Optional[int] = ..., target_prefill_tokens: _Optional[int] = ..., cache_misses: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., target_retries: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., ngram_rounds: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., ngram_accepted_tokens: _Optional[int] = ..., rounds_by_gamma: _Optional[_Iterable[int]] = ..., gamma_per_round: _Optional[_Iterable[int]] = ..., draft_hint_tokens: _Optional[int] = ..., draft_hint_accepted_tokens: _Optional[int] = ..., draft_ahead_calls: _Optional[int] = ..., draft_ahead_rounds: _Optional[int] = ..., draft_restored_tokens: _Optional[int] = ..., target_restored_tokens: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_draft_tokens: _Optional[int] = ..., tree_accepted_tokens: _Optional[int] = ..., tree_branch_accepted_tokens: _Optional[int] = ..., tree_accepted_per_depth: _Optional[_Iterable[int]] = ..., tree_tokens_per_round: _Optional[float] = ..., tree_lookup_tokens: _Optional[int] = ..., tree_lookup_accepted_tokens: _Optional[int] = ...) -> None: ...
+    heads_rounds: int
+    heads_draft_tokens: int
+    heads_accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., coordinator_seconds: _Optional[float] = ..., draft_prefill_tokens: _Optional[int] = ..., target_prefill_tokens: _Optional[int] = ..., cache_misses: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., target_retries: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., ngram_rounds: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., ngram_accepted_tokens: _Optional[int] = ..., rounds_by_gamma: _Optional[_Iterable[int]] = ..., gamma_per_round: _Optional[_Iterable[int]] = ..., draft_hint_tokens: _Optional[int] = ..., draft_hint_accepted_tokens: _Optional[int] = ..., draft_ahead_calls: _Optional[int] = ..., draft_ahead_rounds: _Optional[int] = ..., draft_restored_tokens: _Optional[int] = ..., target_restored_tokens: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_draft_tokens: _Optional[int] = ..., tree_accepted_tokens: _Optional[int] = ..., tree_branch_accepted_tokens: _Optional[int] = ..., tree_accepted_per_depth: _Optional[_Iterable[int]] = ..., tree_tokens_per_round: _Optional[float] = ..., tree_lookup_tokens: _Optional[int] = ..., tree_lookup_accepted_tokens: _Optional[int] = ..., heads_rounds: _Optional[int] = ..., heads_draft_tokens: _Optional[int] = ..., heads_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StreamCallError(_message.Message):
     __slots__ = ("code", "message", "trailing_metadata")

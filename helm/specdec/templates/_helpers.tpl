@@ -122,6 +122,10 @@ app.kubernetes.io/part-of: specdec
 {{/* Fail early on values that cannot work together. */}}
 {{- define "specdec.validate" -}}
 {{- range $tier := list "draft" "target" }}
+{{- $model := (index $.Values $tier).model }}
+{{- if and $model.kvCacheMemoryFraction (or (eq $model.device "cpu") (has $model.backend (list "torch" "llama.cpp"))) }}
+{{- fail (printf "%s.model.kvCacheMemoryFraction sizes the graph backend's K/V pool on a CUDA device: set %s.model.device to cuda and %s.model.backend to graph (or auto), or kvCacheMemoryFraction to 0 and size the pool with kvCacheBytes" $tier $tier $tier) }}
+{{- end }}
 {{- if and (include "specdec.kvStoreOn" (dict "root" $ "component" $tier)) (not $.Values.redis.enabled) (not $.Values.redis.external.url) }}
 {{- fail (printf "%s.kvChunks.store needs a Redis: redis.enabled, or redis.external.url" $tier) }}
 {{- end }}

@@ -65,6 +65,9 @@ spec:
             - {{ printf "--kv-cache-type=%s" $v.model.kvCacheType | quote }}
             - {{ printf "--max-sessions=%d" (int64 $v.model.maxSessions) | quote }}
             - {{ printf "--kv-cache-bytes=%d" (int64 $v.model.kvCacheBytes) | quote }}
+            {{- if $v.model.kvCacheMemoryFraction }}
+            - {{ printf "--kv-cache-memory-fraction=%v" $v.model.kvCacheMemoryFraction | quote }}
+            {{- end }}
             - {{ printf "--kv-chunk-tokens=%d" (int $v.kvChunks.chunkTokens) | quote }}
             - {{ printf "--prefix-cache-bytes=%d" (int64 $v.kvChunks.prefixCacheBytes) | quote }}
             {{- if $v.kvChunks.store }}

@@ -78,6 +78,23 @@ class ForwardBatch:
             getattr(static, f.name).copy_(getattr(self, f.name), non_blocking=True)
 
 
+def pad_batch(batch: ForwardBatch, shape: BatchShape, null_slot: int) -> ForwardBatch:
+    """`batch` padded to `shape` where it lies (a batch built on the device, the tree loop's):
+    padding rows and the columns before a row's tokens are padding tokens (token 0 writing to
+    `null_slot`, the null block's first slot, seeing key 0 only), block tables end with the null
+    block, windows with nodes no query sees."""
+    R, Q = batch.tokens.shape
+    rows, columns = shape.rows - R, shape.tokens - Q
+    blocks, nodes = shape.blocks - batch.block_tables.shape[1], shape.window - batch.window_mask.shape[2]
+    pad = torch.nn.functional.pad
+    return ForwardBatch(pad(batch.tokens, (columns, 0, 0, rows)), pad(batch.positions, (columns, 0, 0, rows)),
+                        pad(batch.slots, (columns, 0, 0, rows), value=null_slot),
+                        pad(batch.key_index, (columns, 0, 0, rows), value=-1),
+                        pad(batch.block_tables, (0, blocks, 0, rows), value=NULL_BLOCK),
+                        pad(batch.kv_lens, (0, rows)), pad(batch.window_start, (0, rows)),
+                        pad(batch.window_mask, (0, nodes, columns, 0, 0, rows)))
+
+
 def ancestor_rows(tree: TokenTree) -> list[list[bool]]:
     """rows[i][j]: tree node i sees node j (j is i itself or one of its ancestors) -> [m][m]."""
     m = len(tree)

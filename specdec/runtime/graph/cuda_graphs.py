@@ -6,9 +6,11 @@ What this module decides:
   sharing one pool; decode is tokens = 1 and verification up to 16 tokens (trees up to 16
   nodes: the window). A forward takes the smallest bucket that holds it; past the largest it
   runs eagerly in its exact shape.
-- A captured bucket owns static input tensors and the output its graph writes: a forward
-  builds its batch on the host, copies it into those tensors (one copy per field), replays
-  the graph and slices the real rows' logits out (copied: the next replay overwrites them).
+- A captured bucket owns static input tensors and the outputs its graph writes — the logits and
+  the final-norm hidden states they come from (a target's heads read those; keeping them costs
+  the graph nothing, they are computed anyway): a forward builds its batch on the host, copies
+  it into those tensors (one copy per field), replays the graph and slices the real rows'
+  logits out, and their hidden states when asked (copied: the next replay overwrites them).
 - Without CUDA (or with capture off) the same buckets, padding and model code run eagerly:
   only capture and replay differ, so the CPU test suite proves the captured code path's
   numerics and layout.
@@ -24,7 +26,8 @@ from typing import Sequence
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.runtime.graph.batch import BatchShape, ForwardBatch, RowInput, build_batch, check_rows, needed_shape
+from specdec.runtime.graph.batch import (BatchShape, ForwardBatch, RowInput, build_batch, check_rows, needed_shape,
+                                         pad_batch)
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV
 
@@ -67,6 +70,7 @@ class Captured:
     graph: torch.cuda.CUDAGraph  # replays the forward of `inputs`
     inputs: ForwardBatch  # static inputs on the device: a forward copies its batch here
     logits: torch.Tensor  # [R, Q, vocab] static output the graph writes
+    hidden: torch.Tensor  # [R, Q, hidden] static output: the final-norm hidden states of those logits
 
 
 def dummy_batch(shape: BatchShape, device: torch.device) -> ForwardBatch:
@@ -123,8 +127,9 @@ class GraphRunner:
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=memory_pool):
-            logits = self.model.forward(inputs, self.kv.pools)  # [R, Q, vocab]
-        return Captured(graph, inputs, logits)
+            hidden = self.model.hidden_states(inputs, self.kv.pools)  # [R, Q, hidden]
+            logits = self.model.logits(hidden)  # [R, Q, vocab]
+        return Captured(graph, inputs, logits, hidden)
 
     # ---- forwards ----------------------------------------------------------------------------
 
@@ -144,12 +149,45 @@ class GraphRunner:
                 raise InvalidArgument(f"session {row.session_id!r} would hold {total} tokens, past the "
                                       f"model's context of {limit}")
 
-    @torch.inference_mode()
     def forward(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         """Append each row's tokens to its session in ONE forward (rows are distinct sessions,
         each made with kv.new_session); per row, the logits of its last keep_logits tokens
         -> [keep_logits, vocab] in the model's dtype. ResourceExhausted when the pool is full
         (nothing appended). A forward that fails after appending rolls its rows back."""
+        return self._run(rows, False)[0]
+
+    def forward_hidden(self, rows: Sequence[RowInput]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """forward, and per row the final-norm hidden states of the same tokens -> [keep_logits,
+        hidden] in the model's dtype."""
+        return self._run(rows, True)
+
+    @torch.inference_mode()
+    def forward_on_device(self, batch: ForwardBatch) -> torch.Tensor:
+        """A forward whose inputs are built on the device (the draft's tree loop: its tokens and
+        tree windows come from the device) in its exact shape, its slots allocated by the caller:
+        padded there to the smallest bucket that holds it and replayed where captured (eager in
+        the bucket's shape otherwise; in its own shape past the largest) -> logits [R, Q, vocab]
+        in the model's dtype; a captured bucket's own output, which its next replay overwrites."""
+        shape = self.bucket_for(batch.shape)
+        if shape is None:
+            self.eager_runs += 1
+            return self.model.forward(batch, self.kv.pools)
+        padded = pad_batch(batch, shape, NULL_BLOCK * self.kv.spec.block_size)
+        captured = self.graphs.get(shape)
+        if captured is None:
+            self.eager_runs += 1
+            logits = self.model.forward(padded, self.kv.pools)  # [R', Q', vocab]
+        else:
+            padded.copy_into(captured.inputs)
+            captured.graph.replay()
+            self.replays += 1
+            logits = captured.logits  # [R', Q', vocab]
+        rows, tokens = batch.tokens.shape
+        return logits[:rows, logits.shape[1] - tokens:]
+
+    @torch.inference_mode()
+    def _run(self, rows: Sequence[RowInput], with_hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward of forward / forward_hidden (the hidden states only when asked: else [])."""
         check_rows(self.kv, rows)
         self.check_context(rows)
         needed = needed_shape(self.kv, rows)
@@ -162,14 +200,17 @@ class GraphRunner:
             if captured is not None:
                 host.copy_into(captured.inputs)
                 captured.graph.replay()
-                logits = captured.logits  # [R, Q, vocab]
+                logits, hidden = captured.logits, captured.hidden  # [R, Q, vocab], [R, Q, hidden]
                 self.replays += 1
             else:
                 keep = max(row.keep_logits for row in rows)
-                logits = self.model.forward(host.to(self.model.device), self.kv.pools, keep)  # [R, keep, vocab]
+                hidden = self.model.hidden_states(host.to(self.model.device), self.kv.pools, keep)  # [R, keep, hidden]
+                logits = self.model.logits(hidden)  # [R, keep, vocab]
                 self.eager_runs += 1
             width = logits.shape[1]
-            return [logits[r, width - row.keep_logits:].clone() for r, row in enumerate(rows)]
+            kept = [slice(width - row.keep_logits, width) for row in rows]
+            return ([logits[r, at].clone() for r, at in enumerate(kept)],
+                    [hidden[r, at].clone() for r, at in enumerate(kept)] if with_hidden else [])
         except BaseException:
             for session_id, past in pasts.items():
                 self.kv.truncate(session_id, past)

@@ -195,8 +195,8 @@ class DraftLoop:
         slot_rows += [[self.null_slot] * shape.steps] * (shape.rows - rows)
         table_rows = [table + [NULL_BLOCK] * (shape.blocks - len(table)) for table in tables]
         table_rows += [[NULL_BLOCK] * shape.blocks] * (shape.rows - rows)
-        inputs = LoopInputs(_pad(first_logits, shape.rows), _upload(positions + [0] * (shape.rows - rows), device),
-                            _upload(slot_rows, device), _upload(table_rows, device),
+        inputs = LoopInputs(_pad(first_logits, shape.rows), upload(positions + [0] * (shape.rows - rows), device),
+                            upload(slot_rows, device), upload(table_rows, device),
                             _pad(torch.nn.functional.pad(uniforms, (0, shape.steps - steps)), shape.rows),
                             _pad_warps(warps, shape.rows).to(device))
         captured = self.graphs.get(shape)
@@ -223,7 +223,7 @@ def _pad_warps(warps: RowWarps, rows: int) -> RowWarps:
     return RowWarps(*(torch.cat([getattr(warps, f.name), getattr(padding, f.name)]) for f in fields(warps)))
 
 
-def _upload(data: list, device: torch.device) -> torch.Tensor:
+def upload(data: list, device: torch.device) -> torch.Tensor:
     """Host int64 data on the device without blocking the host (pinned on CUDA)."""
     tensor = torch.tensor(data, dtype=torch.long)
     if device.type == "cuda":

@@ -190,6 +190,15 @@ class GraphModel:
     def forward(self, batch: ForwardBatch, pools: list[torch.Tensor], keep: int | None = None) -> torch.Tensor:
         """Write the batch's K/V into `pools` (PagedKV.pools) and return the logits of each row's
         last `keep` columns (all Q when None) -> [R, keep, vocab] in the model's dtype."""
+        return self.logits(self.hidden_states(batch, pools, keep))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer: final-norm hidden states [..., hidden] -> logits [..., vocab]."""
+        return F.linear(hidden, self.head)
+
+    def hidden_states(self, batch: ForwardBatch, pools: list[torch.Tensor], keep: int | None = None) -> torch.Tensor:
+        """forward without the output layer: the final-norm hidden states of each row's last `keep`
+        columns (what the output layer takes, and a target's heads) -> [R, keep, hidden]."""
         arch = self.arch
         R, Q = batch.tokens.shape
         B = batch.block_tables.shape[1]
@@ -207,8 +216,7 @@ class GraphModel:
             x = x + self.mlp(h, weights)
         if keep is not None and keep < Q:
             x = x[:, Q - keep:]  # [R, keep, hidden]
-        x = rms_norm(x, self.norm, arch.eps)
-        return F.linear(x, self.head)  # [R, keep, vocab]
+        return rms_norm(x, self.norm, arch.eps)  # [R, keep, hidden]
 
     def attention(self, h: torch.Tensor, w: LayerWeights, pool: torch.Tensor, slots: torch.Tensor,
                   block_tables: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,

@@ -18,6 +18,8 @@ What this module decides:
   sequences are recycled).
 - K/V chunks (--prefix-cache-bytes, --kv-store) read and append a session's rows in the pool:
   the layout is the torch engine's, keyed for this engine (engine "graph").
+- A target's heads (--heads) share the model's head matrix (`GraphModel.logits`) and read the
+  final-norm hidden states every forward leaves beside its logits (`forward_hidden`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.graph.batch import RowInput
 from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
-from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs
+from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs, upload
+from specdec.runtime.graph.tree_loop import TreeLoopInputs, run_tree_loop
 from specdec.runtime.graph.model import GraphModel
-from specdec.runtime.graph.paged_kv import PagedKV, blocks_for, budget_bytes
+from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV, blocks_for, budget_bytes
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
 from specdec.runtime.batched_proposal import RowWarps
@@ -44,8 +47,10 @@ from specdec.runtime.device_drafting import DeviceDrafting
 from specdec.runtime.device_verification import DeviceVerifier
 from specdec.runtime.engine import SessionEngine
 from specdec.runtime.session_runner import Row
+from specdec.runtime.target_heads import TargetHeads
 from specdec.tokenizer import tokenizer_fingerprint
-from specdec.types import ModelDescription
+from specdec.maths.tree import TREE_WIDTH
+from specdec.types import ModelDescription, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +133,9 @@ class PagedSessionRunner(SessionEngine):
             cpu=this_placement(torch.get_num_threads()) if self.device.type == "cpu" else None,
             verifies_trees=True,
         )
+        self.heads = TargetHeads.of(loaded.heads, self.model.logits)
+        if self.heads is not None:
+            self.description = self.heads.describe(self.description)
         log.info("%s: graph engine, paged K/V pool of %d blocks x %d tokens (%d bytes per token)",
                  loaded.model_id, self.kv.num_blocks, block_size, self.kv_spec.bytes_per_token)
 
@@ -176,6 +184,34 @@ class PagedSessionRunner(SessionEngine):
             for pool_id, length in zip(pool_ids, positions):
                 self.kv.truncate(pool_id, length)
             raise
+
+    def tree_steps(self, sessions: Sequence[tuple[str, SessionCache]], first_logits: torch.Tensor, depths: int,
+                   params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Grow each session's tree `depths` deep after its first forward, on the device
+        (graph/tree_loop.py): first_logits [C, vocab] there -> each depth's kept children
+        [C, depths, TREE_WIDTH, 4] there. The sessions then hold their histories only, as
+        before. RESOURCE_EXHAUSTED, nothing appended, when the pool cannot hold the nodes run."""
+        runs = TREE_WIDTH * (depths - 1)  # node slots run, every depth but the last
+        pool_ids = [entry.kv.pool_id for _, entry in sessions]
+        bases = [self.kv.length(pool_id) for pool_id in pool_ids]
+        if runs:
+            self._make_room([Row(session_id, entry, [0] * runs, 1) for session_id, entry in sessions])
+            self.kv.reserve({pool_id: runs for pool_id in pool_ids})  # all or nothing
+        try:
+            slots = [self.kv.append(pool_id, runs) if runs else [] for pool_id in pool_ids]
+            self.tokens_run += len(pool_ids) * runs
+            tables = [self.kv.block_table(pool_id) for pool_id in pool_ids]
+            width = max(len(table) for table in tables)
+            device = self.device
+            inputs = TreeLoopInputs(first_logits, upload(bases, device),
+                                    upload(slots, device).view(len(slots), max(0, depths - 1), TREE_WIDTH),
+                                    upload([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device),
+                                    RowWarps.of(params).to(device), params)
+            with torch.inference_mode():
+                return run_tree_loop(self.graph.forward_on_device, inputs, depths)
+        finally:
+            for pool_id, length in zip(pool_ids, bases):
+                self.kv.truncate(pool_id, length)
 
     def keep_drafts(self, entry: SessionCache, held: int, drafts: Sequence[int]) -> None:
         """After draft_steps: the session holds its `held` tokens then `drafts` (the ones run
@@ -247,10 +283,20 @@ class PagedSessionRunner(SessionEngine):
         per row, float32 logits of its last keep_logits positions -> [keep_logits, vocab].
         RESOURCE_EXHAUSTED, nothing appended, when the pool cannot hold the rows even after
         evicting every other session."""
+        return self._run(rows, False)[0]
+
+    def forward_hidden(self, rows: Sequence[Row]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """forward_batch, and per row the final-norm hidden states of the same positions
+        -> [keep_logits, hidden] in the model's dtype (what the heads read)."""
+        return self._run(rows, True)
+
+    def _run(self, rows: Sequence[Row], hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward of forward_batch: per row its logits and, when `hidden`, its hidden states."""
         self._make_room(rows)
         inputs = [RowInput(row.entry.kv.pool_id, list(row.tokens), row.keep_logits, row.tree) for row in rows]
         try:
-            logits = self.graph.forward(inputs)  # per row [keep_logits, vocab]; rolled back on failure
+            # per row [keep_logits, vocab] (and [keep_logits, hidden]); rolled back on failure
+            logits, states = self.graph.forward_hidden(inputs) if hidden else (self.graph.forward(inputs), [])
         except torch.OutOfMemoryError as exc:
             tokens = sum(len(row.tokens) for row in rows)
             raise ResourceExhausted(f"out of device memory running {tokens} tokens: {exc}") from exc
@@ -258,7 +304,7 @@ class PagedSessionRunner(SessionEngine):
             row.entry.append(row.tokens)
             self.caches.account(row.entry)
             self.tokens_run += len(row.tokens)
-        return [row_logits.float() for row_logits in logits]
+        return [row_logits.float() for row_logits in logits], states
 
     # ---- K/V chunks (kv_tier.py) --------------------------------------------------------------
 
