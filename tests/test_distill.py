@@ -162,3 +162,161 @@ def test_the_benchmark_scales_a_short_runs_rates_to_a_full_run():
             found["seconds_per_teacher_token"]) == (0.025, 0.2, 0.02)
     hours = found["full_run_hours"]  # 10,000 tokens: trained twice, the target's pass once; 5,000 answered
     assert (hours["train"], hours["answers"], hours["teacher"], hours["alpha"]) == (0.14, 0.28, 0.06, 0.03)
+
+
+# ---- heads: `specdec distill --heads K` (specdec/distill/heads.py) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def counting(pair):
+    """A one-layer 12-token Llama whose greedy text counts w1, w2, …, w11, w1, … from any prompt:
+    its embeddings are orthonormal, its output layer maps each token's to the next token's and
+    its layers' weights are near zero. Untrained heads (the target's own next-token head) are
+    never right two tokens ahead; trained ones can be. With prompts files of random words."""
+    from specdec.runtime.loader import load_model
+
+    path = tiny.build_model(pair["root"] / "counting", tiny.word_tokenizer(12), "llama", seed=31, layers=1,
+                            init_std=0.02)
+    model = load_model(str(path), "float32").model
+    embeddings = torch.linalg.qr(torch.randn(32, 12, generator=torch.Generator().manual_seed(31))).Q.T  # [12, 32]
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(embeddings)
+        output = torch.zeros(12, 32)
+        for token in range(1, 12):  # w_token follows w_(token-1), w1 follows w11; id 0 (EOS) never
+            output[token] = embeddings[11 if token == 1 else token - 1]
+        model.get_output_embeddings().weight.copy_(output)
+    model.save_pretrained(path)
+    rng = random.Random(1)
+    files = {}
+    for name, count in (("train", 64), ("eval", 16)):
+        files[name] = pair["root"] / f"counting-{name}.txt"
+        files[name].write_text("".join(" ".join(f"w{rng.randint(1, 11)}" for _ in range(rng.randint(2, 6))) + "\n"
+                                       for _ in range(count)))
+    return {"target": str(path), "train": str(files["train"]), "eval": str(files["eval"])}
+
+
+def _heads(counting, out: Path, **overrides) -> DistillConfig:
+    settings = dict(target=counting["target"], draft="", out=str(out), prompts=counting["train"],
+                    eval_prompts=counting["eval"], generate_temperature=0.0, heads=2, steps=60, lr=1e-2,
+                    batch_size=128, seq_len=64, max_new_tokens=16, eval_new_tokens=16, progress=False)
+    return DistillConfig(**{**settings, **overrides})
+
+
+@pytest.mark.service
+def test_heads_learn_the_targets_greedy_text_and_bind_to_it(counting, pair, tmp_path, capsys):
+    """Through the CLI: on the target's own greedy text, head 1 (the token after next) goes from
+    never right to right at least half the time on held-out text; the directory loads for that
+    target and is refused, saying why, for another."""
+    from specdec.runtime.heads import HeadsMismatch, load_heads, read_meta
+    from specdec.runtime.loader import load_model
+
+    out = tmp_path / "heads"
+    assert main(["distill", "--heads", "2", "--target", counting["target"], "--out", str(out),
+                 "--prompts", counting["train"], "--eval-prompts", counting["eval"], "--generate-temperature", "0",
+                 "--steps", "60", "--lr", "1e-2", "--batch-size", "128", "--seq-len", "64", "--max-new-tokens", "16",
+                 "--eval-new-tokens", "16", "--no-progress"]) == 0
+    report = json.loads((out / REPORT_FILE).read_text())
+    before, after = ({h["head"]: h["top1"] for h in report[when]["heads"]} for when in ("before", "after"))
+    assert before[1] < 0.1 and after[1] >= 0.5, report
+    assert report["after"]["heads"][0]["positions"] > 100 and report["loss_last"] < report["loss_first"]
+    assert not (out / "checkpoint").exists()
+    printed = capsys.readouterr().out
+    assert "top-1 before -> after" in printed and f"{after[1]:.4f}" in printed
+    meta = read_meta(out)
+    assert meta.num_heads == 2 and meta.report["after"] == report["after"]
+    heads, _, _ = load_heads(out, load_model(counting["target"], "bfloat16").model, "cpu", torch.float32)
+    assert heads.num_heads == 2
+    with pytest.raises(HeadsMismatch, match="trained for another model"):
+        load_heads(out, load_model(pair["target"], "float32").model, "cpu", torch.float32)
+
+
+@pytest.mark.service
+def test_an_interrupted_heads_run_resumes_where_it_stopped(counting, tmp_path, monkeypatch):
+    """Killed at step 12 of 20, then resumed: the target does not run again and the heads are
+    those of a run never interrupted."""
+    from safetensors.torch import load_file
+
+    from specdec.distill.heads import HEADS_PREPARED_FILE, HeadsTrainer
+    from specdec.distill.heads_run import distill_heads
+
+    distill_heads(_heads(counting, tmp_path / "whole", steps=20, checkpoint_every=4))
+    interrupted = _heads(counting, tmp_path / "resumed", steps=20, checkpoint_every=4)
+    real_step = HeadsTrainer.train_step
+
+    def dies_at_12(self):
+        if self.step == 12:
+            raise KeyboardInterrupt
+        return real_step(self)
+    monkeypatch.setattr(HeadsTrainer, "train_step", dies_at_12)
+    with pytest.raises(KeyboardInterrupt):
+        distill_heads(interrupted)
+    monkeypatch.setattr(HeadsTrainer, "train_step", real_step)
+    prepared = tmp_path / "resumed" / "checkpoint" / HEADS_PREPARED_FILE
+    made = prepared.stat().st_mtime_ns
+    report = distill_heads(DistillConfig(**{**interrupted.__dict__, "resume": True, "keep_checkpoint": True}))
+    assert prepared.stat().st_mtime_ns == made  # the target did not run again
+    assert report.steps == 20
+    a, b = (load_file(tmp_path / name / "heads.safetensors") for name in ("whole", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="other settings"):  # a checkpoint of other settings is not resumed
+        distill_heads(DistillConfig(**{**interrupted.__dict__, "resume": True, "head_vocab": 4}))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, message", [
+    ([], "give --draft"),
+    (["--draft", "D", "--loss", "ce"], "--loss ce is for --heads"),
+    (["--heads", "-1"], "--heads must be >= 1"),
+    (["--heads", "2", "--draft", "D"], "give no --draft"),
+    (["--heads", "2", "--lora-rank", "4"], "--lora-rank is for drafts"),
+])
+def test_the_cli_says_what_a_distill_run_lacks(argv, message, capsys):
+    with pytest.raises(SystemExit, match=message):
+        main(["distill", "--target", "T", "--out", "O", *argv])
+
+
+@pytest.mark.unit
+def test_the_output_layers_input_is_the_hidden_state_the_heads_read():
+    """The pre-hook's capture, put through the output layer, gives the model's logits."""
+    from transformers import LlamaForCausalLM
+
+    from specdec.distill.heads import output_layer_inputs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny.model_config("llama", 12, 0)).eval()
+    ids = torch.tensor([[1, 5, 3, 7]])
+    with torch.no_grad(), output_layer_inputs(model) as taken:
+        logits = model(input_ids=ids).logits
+    assert len(taken) == 1 and taken[0].shape == (1, 4, 32)
+    assert torch.allclose(model.get_output_embeddings()(taken[0]), logits)
+
+
+@pytest.mark.unit
+def test_head_k_learns_the_position_k_ahead_inside_its_window():
+    from specdec.distill.heads import HeadsData, head_targets
+
+    top = TopK(torch.arange(10).unsqueeze(-1), torch.ones(10, 1))  # position i's top id is i
+    data = HeadsData(torch.zeros(10, 4), top, torch.arange(100, 110), torch.tensor([4] * 4 + [10] * 6), [], [], 12)
+    rows = torch.tensor([0, 2, 3, 4, 8])
+    kl = head_targets(data, rows, 1, Loss.KL)  # the target's distribution at t + 1 (it chooses t + 2)
+    assert kl.valid.tolist() == [True, True, False, True, True] and kl.top.ids[kl.valid, 0].tolist() == [1, 3, 5, 9]
+    ce = head_targets(data, rows, 1, Loss.CE)  # the data's token at t + 2
+    assert ce.valid.tolist() == [True, False, False, True, False] and ce.token[ce.valid].tolist() == [102, 106]
+
+
+@pytest.mark.unit
+def test_the_sampled_softmax_is_exact_over_the_whole_vocabulary_and_close_over_a_sample():
+    from specdec.distill.heads import candidates, head_log_probs
+
+    generator = torch.Generator().manual_seed(0)
+    states, weight = torch.randn(1, 6, 16, generator=generator), torch.randn(2000, 16, generator=generator) * 0.3
+    exact = torch.log_softmax(states @ weight.T, -1)  # [1, 6, 2000]
+    kept = torch.tensor([3, 17, 500])
+    ids, log_weight = candidates(kept, 2000, 0, generator)
+    assert torch.allclose(head_log_probs(states, weight, None, ids, log_weight, 1.0), exact, atol=1e-5)
+    estimates = []
+    for _ in range(20):
+        ids, log_weight = candidates(kept, 2000, 400, generator)
+        assert ids.numel() == 400 and ids[:3].tolist() == [3, 17, 500] and log_weight[:3].eq(0).all()
+        estimates.append(head_log_probs(states, weight, None, ids, log_weight, 1.0)[..., :3])
+    assert torch.allclose(torch.stack(estimates).mean(0), exact[..., kept], atol=0.05)

@@ -28,6 +28,7 @@ MATCHED = 1e-5       # a position whose loss is below this is matched (Pinsker: 
 class Loss(StrEnum):
     KL = "kl"  # forward KL(p_target || q_draft)
     TV = "tv"  # total variation: 1 - α
+    CE = "ce"  # heads only (specdec/distill/heads.py): cross-entropy on the data's token
 
 
 @dataclass
@@ -66,6 +67,11 @@ def _outcomes(student_logits: torch.Tensor, target: TopK, temperature: float) ->
 def per_position(student_logits: torch.Tensor, target: TopK, loss: Loss, temperature: float = 1.0) -> torch.Tensor:
     """The loss at each position: student logits [..., vocab] (cut to the target's ids) -> [...]."""
     p, q = _outcomes(student_logits, target, temperature)
+    return outcome_loss(p, q, loss)
+
+
+def outcome_loss(p: torch.Tensor, q: torch.Tensor, loss: Loss) -> torch.Tensor:
+    """The loss between the target's p and the student's q over the same outcomes, [..., n] -> [...]."""
     if loss == Loss.KL:
         return torch.where(p > 0, p * (torch.log(p.clamp_min(EPS)) - torch.log(q.clamp_min(EPS))), 0.0).sum(-1)
     if loss == Loss.TV:  # |x| smoothed below TV_SMOOTHING: its kink at p = q would turn float

@@ -36,8 +36,8 @@ class DistillConfig:
     """What `specdec distill` was asked for (its flags)."""
 
     target: str                       # the target model (directory, hub id or .gguf file)
-    draft: str                        # the draft to start from
-    out: str                          # where the distilled draft is written
+    draft: str                        # the draft to start from ("" with heads)
+    out: str                          # where the distilled draft (or the heads) is written
     records: str = ""                 # a coordinator's records: a directory or file, or a Redis URL
     records_stream: str = ""          # with `records` a Redis URL: the stream's key
     text: tuple[str, ...] = ()        # text files, each one sequence
@@ -67,6 +67,8 @@ class DistillConfig:
     keep_checkpoint: bool = False     # keep OUT/checkpoint after a finished run
     seed: int = 0                     # shuffles and sampled answers
     progress: bool = True             # tqdm progress bars
+    heads: int = 0                    # K > 0: train K Medusa-style heads on the target, no draft
+    head_vocab: int = 8192            # heads: ids a step's softmax runs over (0: the whole vocabulary)
 
 
 @dataclass
@@ -132,7 +134,7 @@ def _load(spec: str, dtype: str, device: str) -> Any:
     return load_model(spec, dtype, device)
 
 
-def _sequences(config: DistillConfig, target: Any, tokenizer: Any, eos: tuple[int, ...],
+def read_sequences(config: DistillConfig, target: Any, tokenizer: Any, eos: tuple[int, ...],
                progress: Progress) -> tuple[list[list[int]], list[sources.Scored], dict]:
     """(training sequences, held-out sequences, where they came from)."""
     train: list[list[int]] = []
@@ -186,7 +188,7 @@ def _prepare(config: DistillConfig, folder: Path, progress: Progress) -> Prepare
     started = time.perf_counter()
     target = _load(config.target, config.target_dtype, config.device)
     eos = eos_token_ids(target.model, target.tokenizer)
-    train, held, summary = _sequences(config, target.model, target.tokenizer, eos, progress)
+    train, held, summary = read_sequences(config, target.model, target.tokenizer, eos, progress)
     generated = time.perf_counter() - started
     draft = _load(config.draft, config.dtype, config.device)
     vocab = min(target.model.config.vocab_size, draft.model.config.vocab_size)

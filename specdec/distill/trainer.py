@@ -76,7 +76,7 @@ class Trainer:
 
     def save(self) -> None:
         state = {"step": self.step, "weights": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
-                 "losses": self.losses, "settings": _comparable(self.settings)}
+                 "losses": self.losses, "settings": self.comparable()}
         partial = self.folder / (STATE_FILE + ".partial")
         torch.save(state, partial)
         partial.replace(self.folder / STATE_FILE)
@@ -87,7 +87,7 @@ class Trainer:
         if not path.exists():
             return False
         state = torch.load(path, weights_only=True)
-        if state["settings"] != _comparable(self.settings):
+        if state["settings"] != self.comparable():
             raise ValueError(f"the checkpoint in {self.folder} was made with other settings ({state['settings']}); "
                              "run without --resume to start again, or with the same settings")
         missing = set(self.trainable_state()) - set(state["weights"])
@@ -117,8 +117,16 @@ class Trainer:
             top_ids[row, :len(target.ids)], top_probs[row, :len(target.ids)] = target.ids, target.probs
         return ids.to(self.device), mask.to(self.device), TopK(top_ids, top_probs).to(self.device)
 
+    def comparable(self) -> dict:
+        """The settings a checkpoint must share with the run that resumes it."""
+        return _comparable(self.settings)
+
+    def rows(self) -> int:
+        """How many items the batches are drawn from (windows)."""
+        return len(self.data.windows)
+
     def _indices(self, step: int) -> list[int]:
-        count, size = len(self.data.windows), self.settings.batch_size
+        count, size = self.rows(), self.settings.batch_size
         out = []
         for position in range(step * size, (step + 1) * size):
             epoch, offset = divmod(position, count)
