@@ -799,3 +799,13 @@ def test_schema_covers_every_value(chart):
               "autoscaling", "service", "podDisruptionBudget", "extraArgs", "env"}
     assert all(shared <= keys for keys in tiers)
     chart.validate_schema(defaults)
+
+
+def test_the_target_serves_heads_only_where_set(rendered, chart):
+    for r in rendered.values():  # empty by default: no flag
+        for deployment in r.objects("Deployment"):
+            assert not any(a.startswith("--heads") for a in container(deployment)["args"])
+    r = Rendered(chart.render({"target": {"heads": "/models/heads/qwen-1"}}, name=RELEASE, namespace=NAMESPACE,
+                              is_install=True))
+    assert "--heads=/models/heads/qwen-1" in container(r.one("Deployment", "target"))["args"]
+    assert not any(a.startswith("--heads") for a in container(r.one("Deployment", "draft"))["args"])

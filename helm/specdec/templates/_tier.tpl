@@ -65,6 +65,9 @@ spec:
             - {{ printf "--kv-cache-type=%s" $v.model.kvCacheType | quote }}
             - {{ printf "--max-sessions=%d" (int64 $v.model.maxSessions) | quote }}
             - {{ printf "--kv-cache-bytes=%d" (int64 $v.model.kvCacheBytes) | quote }}
+            {{- if and (eq $c "target") $v.heads }}
+            - {{ printf "--heads=%s" $v.heads | quote }}
+            {{- end }}
             {{- if $v.model.kvCacheMemoryFraction }}
             - {{ printf "--kv-cache-memory-fraction=%v" $v.model.kvCacheMemoryFraction | quote }}
             {{- end }}
