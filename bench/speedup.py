@@ -155,7 +155,7 @@ def start_services(draft: str, target: str, args) -> subprocess.Popen:
     command = [sys.executable, "-m", "specdec_cli", "up", "--port", str(args.port), "--dtype", args.dtype,
                "--device", args.device, "--draft-model", draft, "--target-model", target,
                "--draft-quantize", args.draft_quantize, "--http-port", "0"]
-    if args.heads:
+    if getattr(args, "heads", ""):  # (bench/gpu_steps.py passes its own namespace, without heads)
         command += ["--target-heads", args.heads]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
     wait_healthy(f"127.0.0.1:{args.port}", 900, [proc])
