@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from specdec.runtime.heads import HeadsMeta, MedusaHeads, save_heads, target_identity
+from specdec.runtime.heads import HeadsMeta, save_heads, target_identity
 from specdec.runtime.loader import load_model
 from specdec.types import SamplingParams
 from specdec.v1 import coordinator_pb2
@@ -25,6 +25,7 @@ from tests.test_draft_swap import _wait_for
 from tests.test_e2e_sampling import PROMPT_IDS, assert_follows, exact_first_two
 from tests.test_metrics import scrape, value
 from tests.test_proposers import IDS_PROMPTS, target_only
+from tests.test_target_heads import random_heads as random_heads_of
 
 pytestmark = pytest.mark.e2e
 
@@ -35,16 +36,9 @@ NEW_TOKENS = 24
 
 def random_heads(target: str, directory, seed: int) -> str:
     """Heads for `target` saved in `directory`: residual blocks of random weights (`seed`)."""
-    import torch
-
     model = load_model(target, "float32").model
     hidden = model.config.hidden_size
-    torch.manual_seed(seed)
-    heads = MedusaHeads(NUM_HEADS, hidden)
-    with torch.no_grad():
-        for block in heads.blocks:
-            block.weight.normal_(0, 0.3)
-            block.bias.normal_(0, 0.3)
+    heads = random_heads_of(hidden, seed, num_heads=NUM_HEADS, scale=0.3)
     meta = HeadsMeta(NUM_HEADS, hidden, target_identity(model), target)
     return str(save_heads(directory, heads, meta))
 

@@ -29,14 +29,15 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 ENGINES = [("torch", "float64"), ("graph", "float64"), ("torch", "float32"), ("graph", "float32")]
 
 
-def random_heads(hidden_size: int, seed: int) -> MedusaHeads:
-    """Heads with non-zero blocks (a fixed seed): their tokens are not the target's own top ones."""
+def random_heads(hidden_size: int, seed: int, num_heads: int = NUM_HEADS, scale: float = 0.5) -> MedusaHeads:
+    """Heads with non-zero blocks (a fixed seed, weights of standard deviation `scale`): their
+    tokens are not the target's own top ones."""
     torch.manual_seed(seed)
-    heads = MedusaHeads(NUM_HEADS, hidden_size)
+    heads = MedusaHeads(num_heads, hidden_size)
     with torch.no_grad():
         for block in heads.blocks:
-            block.weight.normal_(0, 0.5)
-            block.bias.normal_(0, 0.5)
+            block.weight.normal_(0, scale)
+            block.bias.normal_(0, scale)
     return heads.eval()
 
 

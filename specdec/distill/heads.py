@@ -34,7 +34,7 @@ import torch
 
 from specdec.distill.data import Scored, windows
 from specdec.distill.objectives import EPS, Loss, TopK, outcome_loss, top_k_of, training_loss
-from specdec.distill.prepare import pad
+from specdec.distill.prepare import load_state, pad, save_state
 from specdec.distill.trainer import Trainer, TrainSettings
 from specdec.runtime.heads import MedusaHeads, head_logits
 
@@ -77,19 +77,13 @@ class HeadsData:
                  "top_probs": self.top.probs, "tokens": self.tokens, "window_end": self.window_end,
                  "held_hidden": self.held_hidden, "held_greedy": self.held_greedy, "vocab": self.vocab,
                  "before": self.before, "summary": self.summary, "seconds": self.seconds}
-        partial = folder / (HEADS_PREPARED_FILE + ".partial")
-        torch.save(state, partial)
-        partial.replace(folder / HEADS_PREPARED_FILE)
+        save_state(folder / HEADS_PREPARED_FILE, state)
 
     @classmethod
     def load(cls, folder: Path) -> "HeadsData | None":
         """The data saved in `folder` (None: none there, or of another version)."""
-        path = folder / HEADS_PREPARED_FILE
-        if not path.exists():
-            return None
-        state = torch.load(path, weights_only=True)
-        if state.get("version") != HEADS_PREPARED_VERSION:
-            log.warning("%s is of another version: preparing again", path)
+        state = load_state(folder / HEADS_PREPARED_FILE, HEADS_PREPARED_VERSION)
+        if state is None:
             return None
         return cls(state["hidden"], TopK(state["top_ids"].long(), state["top_probs"]), state["tokens"],
                    state["window_end"], state["held_hidden"], state["held_greedy"], int(state["vocab"]),
@@ -293,17 +287,7 @@ class HeadsTrainer(Trainer):
         where[ids] = torch.arange(ids.numel(), device=self.device)
         states = self.model(self.hidden[rows.to(self.device)])  # [heads, rows, hidden]
         log_q = head_log_probs(states, self.weight, self.bias, ids, log_weight, self.settings.temperature)
-        loss = heads_loss(log_q, where, targets, loss_kind)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
-        value = loss.item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"the loss is {value} at step {self.step}: lower --lr")
-        self.step += 1
-        self.losses.append(value)
-        return value
+        return self.descend(heads_loss(log_q, where, targets, loss_kind))
 
 
 # ---- accuracy ------------------------------------------------------------------------------------

@@ -9,15 +9,15 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from specdec.distill.heads import TOP_N, HeadsData, HeadsTrainer, accuracy, prepare_heads
 from specdec.distill.objectives import Loss
-from specdec.distill.run import CHECKPOINT_DIR, REPORT_FILE, DistillConfig, Progress, _load, read_sequences, \
-    tqdm_progress
+from specdec.distill.run import CHECKPOINT_DIR, REPORT_FILE, DistillConfig, Progress, Report, _load, \
+    read_sequences, resumed, tqdm_progress
 from specdec.distill.trainer import TrainSettings
 from specdec.runtime.heads import HeadsMeta, MedusaHeads, load_heads, save_heads, target_identity
 
@@ -28,20 +28,11 @@ WRITTEN_DIR = "written"  # under the checkpoint folder: the heads written once a
 
 
 @dataclass
-class HeadsReport:
-    """What a heads run did, as written to OUT/distill-report.json and heads.json's report."""
-
-    config: dict
-    data: dict               # positions, held-out sequences and positions, sources
-    before: dict             # accuracy() of untrained heads (each predicts the target's next token)
-    after: dict              # ... of the written heads, loaded back for the target
-    loss_first: float | None  # mean loss of the first 10 steps
-    loss_last: float | None  # mean loss of the last 10 steps
-    steps: int               # steps trained in all
-    seconds: dict = field(default_factory=dict)  # per stage: data, teacher, held_out_pass, train, ...
-
-    def to_json(self) -> dict:
-        return asdict(self)
+class HeadsReport(Report):
+    """What a heads run did, as written to OUT/distill-report.json and heads.json's report: the
+    draft run's fields, where `data` counts positions, `before` is accuracy() of the untrained
+    heads (each predicts the target's next token) and `after` that of the written heads, loaded
+    back for the target."""
 
     def table(self) -> str:
         """The report as printed."""
@@ -80,11 +71,9 @@ def _check(config: DistillConfig) -> None:
 
 def _data(config: DistillConfig, model, tokenizer, folder: Path, progress: Progress) -> HeadsData:
     """From the checkpoint when resuming, else the target's pass (saved there)."""
-    if config.resume:
-        found = HeadsData.load(folder)
-        if found is not None:
-            log.info("resuming from %s", folder)
-            return found
+    found = resumed(config, HeadsData.load, folder)
+    if found is not None:
+        return found
     from specdec.runtime.loader import eos_token_ids
 
     started = time.perf_counter()

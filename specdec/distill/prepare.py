@@ -43,19 +43,13 @@ class Prepared:
                  "ids": [t.ids.to(torch.int32) for t in self.targets], "probs": [t.probs for t in self.targets],
                  "held_out": [(s.tokens, s.start) for s in self.held_out], "vocab": self.vocab,
                  "alpha_before": self.alpha_before, "summary": self.summary, "seconds": self.seconds}
-        partial = folder / (PREPARED_FILE + ".partial")
-        torch.save(state, partial)
-        partial.replace(folder / PREPARED_FILE)
+        save_state(folder / PREPARED_FILE, state)
 
     @classmethod
     def load(cls, folder: Path) -> "Prepared | None":
         """The prepared data saved in `folder` (None: none there, or of another version)."""
-        path = folder / PREPARED_FILE
-        if not path.exists():
-            return None
-        state = torch.load(path, weights_only=True)
-        if state.get("version") != PREPARED_VERSION:
-            log.warning("%s is of another version: preparing again", path)
+        state = load_state(folder / PREPARED_FILE, PREPARED_VERSION)
+        if state is None:
             return None
         return cls(state["windows"], [TopK(i.long(), p) for i, p in zip(state["ids"], state["probs"])],
                    [Scored(list(t), int(s)) for t, s in state["held_out"]], int(state["vocab"]),
@@ -99,3 +93,22 @@ def prepare(target: Any, sequences: list[list[int]], held_out: list[Scored], voc
         raise ValueError("no training text: every sequence is shorter than 2 tokens")
     targets = teacher_targets(target, cut, vocab, top_k, temperature, batch_size, progress("target top-k", len(cut)))
     return Prepared(cut, targets, held_out, vocab, seconds={"teacher": round(time.perf_counter() - started, 2)})
+
+
+def save_state(path: Path, state: dict) -> None:
+    """torch.save `state` to `path` through a partial file, so a run killed while writing leaves
+    the previous state (or none), never half of one."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def load_state(path: Path, version: int) -> dict | None:
+    """The state save_state wrote to `path` (None: none there, or of another version)."""
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=True)
+    if state.get("version") != version:
+        log.warning("%s is of another version: preparing again", path)
+        return None
+    return state

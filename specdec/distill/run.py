@@ -175,14 +175,23 @@ def read_sequences(config: DistillConfig, target: Any, tokenizer: Any, eos: tupl
     return train, held, summary
 
 
+def resumed(config: DistillConfig, load: Callable[[Path], Any], folder: Path) -> Any:
+    """With --resume, the prepared data `load` finds in the checkpoint `folder` (None: start
+    afresh, as without --resume)."""
+    if not config.resume:
+        return None
+    found = load(folder)
+    if found is not None:
+        log.info("resuming from %s", folder)
+    return found
+
+
 def _prepare(config: DistillConfig, folder: Path, progress: Progress) -> Prepared:
     """The prepared data: from the checkpoint when resuming, else made with the target (which is
     freed afterwards) and saved there."""
-    if config.resume:
-        found = Prepared.load(folder)
-        if found is not None:
-            log.info("resuming from %s", folder)
-            return found
+    found = resumed(config, Prepared.load, folder)
+    if found is not None:
+        return found
     from specdec.runtime.loader import eos_token_ids
 
     started = time.perf_counter()

@@ -149,6 +149,11 @@ class Trainer:
             group["lr"] = self._lr(self.step)
         logits = self.model(input_ids=ids, attention_mask=mask).logits[..., :self.data.vocab]
         loss = training_loss(per_position(logits, target, self.settings.loss, self.settings.temperature), mask)
+        return self.descend(loss)
+
+    def descend(self, loss: torch.Tensor) -> float:
+        """One optimizer step down `loss` (gradients clipped to norm 1); its value, recorded.
+        FloatingPointError when it is not finite."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
