@@ -169,21 +169,25 @@ class GraphRunner:
         the bucket's shape otherwise; in its own shape past the largest) -> logits [R, Q, vocab]
         in the model's dtype; a captured bucket's own output, which its next replay overwrites."""
         shape = self.bucket_for(batch.shape)
-        if shape is None:
-            self.eager_runs += 1
-            return self.model.forward(batch, self.kv.pools)
-        padded = pad_batch(batch, shape, NULL_BLOCK * self.kv.spec.block_size)
-        captured = self.graphs.get(shape)
-        if captured is None:
-            self.eager_runs += 1
-            logits = self.model.forward(padded, self.kv.pools)  # [R', Q', vocab]
-        else:
-            padded.copy_into(captured.inputs)
-            captured.graph.replay()
-            self.replays += 1
-            logits = captured.logits  # [R', Q', vocab]
+        padded = batch if shape is None else pad_batch(batch, shape, NULL_BLOCK * self.kv.spec.block_size)
+        logits, _ = self._execute(padded)  # [R', Q', vocab]
         rows, tokens = batch.tokens.shape
         return logits[:rows, logits.shape[1] - tokens:]
+
+    def _execute(self, batch: ForwardBatch, keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph captured for the batch's shape where there is one (copying the batch
+        into its inputs), else run the model eagerly on the batch, its last `keep` columns only
+        (all when None) -> logits [R, Q, vocab], hidden states [R, Q, hidden]: a captured
+        bucket's own outputs, which its next replay overwrites."""
+        captured = self.graphs.get(batch.shape)
+        if captured is not None:
+            batch.copy_into(captured.inputs)
+            captured.graph.replay()
+            self.replays += 1
+            return captured.logits, captured.hidden
+        self.eager_runs += 1
+        hidden = self.model.hidden_states(batch.to(self.model.device), self.kv.pools, keep)  # [R, keep, hidden]
+        return self.model.logits(hidden), hidden
 
     @torch.inference_mode()
     def _run(self, rows: Sequence[RowInput], with_hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -196,17 +200,8 @@ class GraphRunner:
         pasts = {row.session_id: self.kv.length(row.session_id) for row in rows}
         host = build_batch(self.kv, rows, shape)
         try:
-            captured = self.graphs.get(shape)
-            if captured is not None:
-                host.copy_into(captured.inputs)
-                captured.graph.replay()
-                logits, hidden = captured.logits, captured.hidden  # [R, Q, vocab], [R, Q, hidden]
-                self.replays += 1
-            else:
-                keep = max(row.keep_logits for row in rows)
-                hidden = self.model.hidden_states(host.to(self.model.device), self.kv.pools, keep)  # [R, keep, hidden]
-                logits = self.model.logits(hidden)  # [R, keep, vocab]
-                self.eager_runs += 1
+            # [R, Q or keep, vocab], [R, Q or keep, hidden]
+            logits, hidden = self._execute(host, max(row.keep_logits for row in rows))
             width = logits.shape[1]
             kept = [slice(width - row.keep_logits, width) for row in rows]
             return ([logits[r, at].clone() for r, at in enumerate(kept)],
