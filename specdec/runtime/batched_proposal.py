@@ -69,24 +69,33 @@ def proposal_rows(logits: torch.Tensor, warps: RowWarps, k: int) -> tuple[torch.
     """logits [R, vocab] -> (ids [R, K'], probs [R, K'] float32), K' = min(K, vocab), most likely
     first: each row's proposal distribution (module docstring). Tokens its warp drops have
     probability 0; a greedy row has all its mass in column 0."""
-    vocab = logits.shape[-1]
-    k = min(k, vocab)
-    scaled = logits.float() / warps.temperature[:, None]  # [R, vocab]
-    values, ids = torch.topk(scaled, k, dim=-1)  # [R, K'] most likely first
-    cuts = (warps.top_k > 0) & (warps.top_k < vocab)  # [R]
-    kth = values.gather(1, (warps.top_k - 1).clamp(0, k - 1)[:, None])  # [R, 1]
-    kth = kth.masked_fill(~cuts[:, None], float("-inf"))
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    values = values.masked_fill(values < kth, float("-inf"))
-    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # warped p of each, [R, K']
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= warps.top_p[:, None], 0.0)  # the first token is always kept
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    k = min(k, logits.shape[-1])
+    ids, probs = warped_top(logits, warps, k, k)  # [R, K']
     first = torch.arange(k, device=logits.device)[None, :] == 0  # [1, K']
     greedy = warps.greedy[:, None]  # [R, 1]
     ids = torch.where(greedy & first, logits.argmax(dim=-1, keepdim=True), ids)
     probs = torch.where(greedy, first.to(probs.dtype), probs)
     return ids, probs
+
+
+def warped_top(logits: torch.Tensor, warps: RowWarps, wide: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.proposal_top_k` of each row with its own warp: its top-`wide` tokens (at least
+    its top-k where that is on) cut to `width`, top-p applied only where it is below 1, as the
+    host does. logits [N, vocab] -> (ids [N, width], probs [N, width] float32), most likely first."""
+    vocab = logits.shape[-1]
+    scaled = logits.float() / warps.temperature[:, None]  # [N, vocab]
+    values, ids = torch.topk(scaled, wide, dim=-1)  # [N, wide] most likely first
+    cuts = (warps.top_k > 0) & (warps.top_k < vocab)  # [N]
+    kth = values.gather(1, (warps.top_k - 1).clamp(0, wide - 1)[:, None])  # [N, 1]
+    kth = kth.masked_fill(~cuts[:, None], float("-inf"))  # nothing cut where top-k is off
+    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    values = values.masked_fill(values < kth, float("-inf"))
+    values, ids = values[:, :width], ids[:, :width]  # [N, width]
+    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # warped p of each
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    nucleus = probs.masked_fill(mass_before >= warps.top_p[:, None], 0.0)  # the first token is always kept
+    probs = torch.where((warps.top_p < 1.0)[:, None], nucleus, probs)
+    return ids, probs / probs.sum(dim=-1, keepdim=True)
 
 
 def draw_rows(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, warps: RowWarps,

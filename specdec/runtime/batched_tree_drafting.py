@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 
 from specdec.maths.tree import TREE_WIDTH
-from specdec.runtime.batched_proposal import RowWarps
+from specdec.runtime.batch_cache import upload
+from specdec.runtime.batched_proposal import RowWarps, warped_top
 from specdec.runtime.tree_drafting import _Growing, keep
 from specdec.types import SamplingParams
 
@@ -42,25 +43,6 @@ def topk_width(params: SamplingParams, width: int, vocab: int) -> int:
         return 0
     top_k = params.top_k if 0 < params.top_k < vocab else 0
     return min(vocab, max(width, top_k))
-
-
-def warped_top(logits: torch.Tensor, warps: RowWarps, wide: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`proposal_top_k` of each row with its own warp, top-`wide` then cut to `width`.
-    logits [N, vocab] -> (ids [N, width], probs [N, width] float32), most likely first."""
-    vocab = logits.shape[-1]
-    scaled = logits.float() / warps.temperature[:, None]  # [N, vocab]
-    values, ids = torch.topk(scaled, wide, dim=-1)  # [N, wide] most likely first
-    cuts = (warps.top_k > 0) & (warps.top_k < vocab)  # [N]
-    kth = values.gather(1, (warps.top_k - 1).clamp(0, wide - 1)[:, None])  # [N, 1]
-    kth = kth.masked_fill(~cuts[:, None], float("-inf"))  # nothing cut where top-k is off
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    values = values.masked_fill(values < kth, float("-inf"))
-    values, ids = values[:, :width], ids[:, :width]  # [N, width]
-    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # warped p of each
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    nucleus = probs.masked_fill(mass_before >= warps.top_p[:, None], 0.0)  # the first token is always kept
-    probs = torch.where((warps.top_p < 1.0)[:, None], nucleus, probs)
-    return ids, probs / probs.sum(dim=-1, keepdim=True)
 
 
 def candidate_rows(logits: torch.Tensor, params: Sequence[SamplingParams], warps: RowWarps,
@@ -80,7 +62,7 @@ def candidate_rows(logits: torch.Tensor, params: Sequence[SamplingParams], warps
         if ids is None:
             ids, probs = wide_ids, wide_probs
             continue
-        rows = _upload([wide_of == wide for wide_of in wides], torch.bool, logits.device)[:, None]  # [N, 1]
+        rows = upload([wide_of == wide for wide_of in wides], torch.bool, logits.device)[:, None]  # [N, 1]
         ids, probs = torch.where(rows, wide_ids, ids), torch.where(rows, wide_probs, probs)
     return ids, probs
 
@@ -151,11 +133,3 @@ def keep_slots(growing: _Growing, slots: Sequence[Sequence[float]], w: int) -> N
             if int(index) == chain_index:
                 chain = chosen[-1][1:]
     keep(growing, chosen, chain)
-
-
-def _upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host data on the device without blocking the host (pinned on CUDA)."""
-    tensor = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)

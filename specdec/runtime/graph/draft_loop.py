@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from specdec.runtime.batch_cache import upload
 from specdec.runtime.batched_proposal import RowWarps, draw_rows, proposal_rows
 from specdec.runtime.graph.batch import ForwardBatch
 from specdec.runtime.graph.model import GraphModel
@@ -195,8 +196,9 @@ class DraftLoop:
         slot_rows += [[self.null_slot] * shape.steps] * (shape.rows - rows)
         table_rows = [table + [NULL_BLOCK] * (shape.blocks - len(table)) for table in tables]
         table_rows += [[NULL_BLOCK] * shape.blocks] * (shape.rows - rows)
-        inputs = LoopInputs(_pad(first_logits, shape.rows), upload(positions + [0] * (shape.rows - rows), device),
-                            upload(slot_rows, device), upload(table_rows, device),
+        inputs = LoopInputs(_pad(first_logits, shape.rows),
+                            upload(positions + [0] * (shape.rows - rows), torch.long, device),
+                            upload(slot_rows, torch.long, device), upload(table_rows, torch.long, device),
                             _pad(torch.nn.functional.pad(uniforms, (0, shape.steps - steps)), shape.rows),
                             _pad_warps(warps, shape.rows).to(device))
         captured = self.graphs.get(shape)
@@ -221,11 +223,3 @@ def _pad_warps(warps: RowWarps, rows: int) -> RowWarps:
     """Warps [R] with greedy padding rows appended up to `rows`."""
     padding = RowWarps.of([], rows - warps.greedy.shape[0])
     return RowWarps(*(torch.cat([getattr(warps, f.name), getattr(padding, f.name)]) for f in fields(warps)))
-
-
-def upload(data: list, device: torch.device) -> torch.Tensor:
-    """Host int64 data on the device without blocking the host (pinned on CUDA)."""
-    tensor = torch.tensor(data, dtype=torch.long)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)

@@ -36,12 +36,13 @@ from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.graph.batch import RowInput
 from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
-from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs, upload
+from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs
 from specdec.runtime.graph.tree_loop import TreeLoopInputs, run_tree_loop
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV, blocks_for, budget_bytes
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
+from specdec.runtime.batch_cache import upload
 from specdec.runtime.batched_proposal import RowWarps
 from specdec.runtime.device_drafting import DeviceDrafting
 from specdec.runtime.device_verification import DeviceVerifier
@@ -203,9 +204,9 @@ class PagedSessionRunner(SessionEngine):
             tables = [self.kv.block_table(pool_id) for pool_id in pool_ids]
             width = max(len(table) for table in tables)
             device = self.device
-            inputs = TreeLoopInputs(first_logits, upload(bases, device),
-                                    upload(slots, device).view(len(slots), max(0, depths - 1), TREE_WIDTH),
-                                    upload([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device),
+            inputs = TreeLoopInputs(first_logits, upload(bases, torch.long, device),
+                                    upload(slots, torch.long, device).view(len(slots), max(0, depths - 1), TREE_WIDTH),
+                                    upload([t + [NULL_BLOCK] * (width - len(t)) for t in tables], torch.long, device),
                                     RowWarps.of(params).to(device), params)
             with torch.inference_mode():
                 return run_tree_loop(self.graph.forward_on_device, inputs, depths)
