@@ -59,24 +59,12 @@ class DeviceVerifier(Verifier):
         return verdicts
 
     def _chain_verdict(self, row: Forwarded, accepted: int, token: int, ratios: list[float]) -> Verdict:
-        """Crop the session after its accepted drafts; the verdict with its log-probabilities."""
-        call, entry, logits = row
-        entry.crop(len(entry) - len(call.drafts) + accepted)
-        emitted = call.drafts[:accepted] + [token]
-        return Verdict(accepted, token, accepted == len(call.drafts), ratios, len(entry),
-                       self.runner.take_restored(call.session_id),
-                       self._logprobs(call, logits, emitted, list(range(len(emitted)))))
+        """The verdict of a chain decided on the device, as the host path makes it (chain_verdict)."""
+        return self.chain_verdict(*row, accepted, token, ratios)
 
     def _tree_verdict(self, row: Forwarded, path: list[int], token: int, is_bonus: bool, tested: int) -> Verdict:
-        """Keep only the accepted path's K/V; the verdict as Verifier._accept_tree builds it."""
-        call, entry, logits = row
-        tree = call.tree
-        assert tree is not None
-        self.runner.keep_path(entry, len(entry) - len(tree), path)
-        emitted = [tree.tokens[node] for node in path] + [token]
-        scored_at = [0] + [node + 1 for node in path]  # the logits row of each emitted token
-        return Verdict(len(path), token, is_bonus, [], len(entry), self.runner.take_restored(call.session_id),
-                       self._logprobs(call, logits, emitted, scored_at), tuple(path))
+        """The verdict of a tree decided on the device, as the host path makes it (tree_verdict)."""
+        return self.tree_verdict(*row, path, token, is_bonus)
 
 
 def _tree_fits(call: VerifyCall) -> bool:

@@ -174,12 +174,19 @@ class Verifier:
             assert call.draft_q is not None  # a sampled call with drafts: call() built their q
             verdict = accept_tree_sampled(tree, call.draft_q.to(self.runner.device), target_probs(logits, call.params),
                                           generator)
-        self.runner.keep_path(entry, len(entry) - len(tree), verdict.path)
-        emitted = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
-        scored_at = [0] + [node + 1 for node in verdict.path]  # the logits row of each emitted token
-        return Verdict(len(verdict.path), verdict.next_token, verdict.is_bonus, [], len(entry),
-                       self.runner.take_restored(call.session_id), self._logprobs(call, logits, emitted, scored_at),
-                       tuple(verdict.path))
+        return self.tree_verdict(call, entry, logits, verdict.path, verdict.next_token, verdict.is_bonus)
+
+    def tree_verdict(self, call: VerifyCall, entry: SessionCache, logits: torch.Tensor, path: Sequence[int],
+                     token: int, is_bonus: bool) -> Verdict:
+        """A tree's verdict once decided (its accepted nodes `path`, root's child first, then the
+        target's `token`): only the path's K/V stay, moved to the positions after the history."""
+        tree = call.tree
+        assert tree is not None
+        self.runner.keep_path(entry, len(entry) - len(tree), path)
+        emitted = [tree.tokens[node] for node in path] + [token]
+        scored_at = [0] + [node + 1 for node in path]  # the logits row of each emitted token
+        return Verdict(len(path), token, is_bonus, [], len(entry), self.runner.take_restored(call.session_id),
+                       self._logprobs(call, logits, emitted, scored_at), tuple(path))
 
     def _accept(self, call: VerifyCall, entry: SessionCache, logits: torch.Tensor) -> Verdict:
         """The acceptance step of one row. logits [γ+1, vocab]; the cache holds the fed tokens +
@@ -193,10 +200,17 @@ class Verifier:
             p = target_probs(logits, call.params)  # [γ+1, vocab]
             q = call.draft_q.to(p.device) if call.draft_q is not None else DraftQ.empty(p.device)
             verdict = accept_sampled(call.drafts, q, p, generator)
-        entry.crop(len(entry) - len(call.drafts) + verdict.num_accepted)
-        emitted = verdict.committed(call.drafts)
-        return Verdict(verdict.num_accepted, verdict.next_token, verdict.is_bonus, verdict.accept_probs,
-                       len(entry), self.runner.take_restored(call.session_id),
+        return self.chain_verdict(call, entry, logits, verdict.num_accepted, verdict.next_token,
+                                  verdict.accept_probs)
+
+    def chain_verdict(self, call: VerifyCall, entry: SessionCache, logits: torch.Tensor, accepted: int,
+                      token: int, accept_probs: list[float]) -> Verdict:
+        """A chain's verdict once decided (its first `accepted` drafts, then the target's `token`):
+        the session cropped after its accepted drafts."""
+        entry.crop(len(entry) - len(call.drafts) + accepted)
+        emitted = call.drafts[:accepted] + [token]
+        return Verdict(accepted, token, accepted == len(call.drafts), accept_probs, len(entry),
+                       self.runner.take_restored(call.session_id),
                        self._logprobs(call, logits, emitted, list(range(len(emitted)))))
 
     @staticmethod
