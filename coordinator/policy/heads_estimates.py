@@ -29,7 +29,7 @@ from typing import Callable
 
 from specdec.maths.tree import TreeOutcome
 
-from coordinator.policy.estimates import AcceptanceEstimate, tree_expected_tokens_by_depth
+from coordinator.policy.estimates import AcceptanceEstimate, tree_budgets, tree_expected_tokens_by_depth
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def heads_budgets(depth: int, at_hand: HeadsAtHand, fixed_nodes: int | None = No
         return []
     if fixed_nodes is not None:
         return [max(depth, min(fixed_nodes, most))]
-    return sorted({n for n in (depth, 2 * depth, 4 * depth, most) if depth <= n <= most})
+    return sorted({depth, most, *tree_budgets(depth, most)})
 
 
 def warmup_nodes(depth: int, at_hand: HeadsAtHand) -> int:
