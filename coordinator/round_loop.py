@@ -31,7 +31,7 @@ from coordinator.policy.load_governor import LoadGovernor
 from coordinator.recording import Recorder
 from coordinator.sources.base import ProposalSource
 from coordinator.sources.draft_model import DraftModel
-from coordinator.sources.heads import TargetHeads
+from coordinator.sources.heads import HeadsSource
 from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
@@ -87,7 +87,7 @@ class RoundLoop:
                                       beside_verification=not tiers_compete(
                                           CoreSharing(config.tiers_share_cores), draft_info, target_info))
         self.prompt_lookup = PromptLookup(config.ngram_max, config.ngram_max_tokens)
-        self.heads = TargetHeads(config.head_candidates)
+        self.heads = HeadsSource(config.head_candidates)
         self.sources: dict[Proposer, ProposalSource] = {
             source.proposer: source for source in (self.draft_model, self.prompt_lookup, self.heads, NoProposals())}
 

@@ -153,6 +153,7 @@ class Proposal:
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)
+MAX_HEAD_CANDIDATES = 32  # the most candidates per head a Verify may ask a target's heads for
 
 
 def check_top_logprobs(top: int | None) -> None:

@@ -16,7 +16,7 @@ from coordinator.policy.heads_estimates import DepthAcceptance, HeadsAtHand, Ses
 from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
 from coordinator.policy.speculation import NO_LOOKUP, Speculation
 from coordinator.rounds import RoundResult
-from coordinator.sources.heads import TargetHeads, heads_tree
+from coordinator.sources.heads import HeadsSource, heads_tree
 from specdec.maths.tree import TokenTree, TreeOutcome
 from specdec.types import Proposer, SparseDist, Verdict
 
@@ -97,7 +97,7 @@ def heads_round(base: int, depth: int, nodes: int, cap: int = 8):
 
 
 def test_proposals_are_for_the_round_right_after_their_verdict_only():
-    source = TargetHeads(4)
+    source = HeadsSource(4)
     heads = [dist((4, 0.7), (5, 0.2)), dist((6, 0.9))]
     source.committed("s", result(10, [1, 2], 2, 3, heads))  # commits 1, 2, 3: the next round starts at 13
     assert source.depth_at("s", 13) == 2 and source.at_hand("s", 13) == tuple(heads)
@@ -115,11 +115,11 @@ def test_proposals_are_for_the_round_right_after_their_verdict_only():
     source.committed("s", result(14, [], 0, 7, heads))
     source.forget("s")  # the request ended: a new one starts without
     assert source.depth_at("s", 15) == 0
-    assert TargetHeads(4).depth_at("s", 0) == 0
+    assert HeadsSource(4).depth_at("s", 0) == 0
     source.committed("s", result(0, [], 0, 1, [dist((4, 1.0)), SparseDist((), ()), dist((5, 1.0))]))
     assert source.depth_at("s", 1) == 1  # a head without candidates ends the tree
     with pytest.raises(ValueError):
-        TargetHeads(33)
+        HeadsSource(33)
 
 
 # ---- what heads rounds teach ---------------------------------------------------------------------

@@ -22,12 +22,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.maths.tree import TokenTree
-from specdec.types import Proposal, Proposer, SparseDist
+from specdec.types import MAX_HEAD_CANDIDATES, Proposal, Proposer, SparseDist
 
 from coordinator.rounds import Drafts, Round, RoundResult
 from coordinator.sources.base import ProposalSource, one_hot_dists
-
-MAX_HEAD_CANDIDATES = 32  # VerifyRequest.head_candidates' limit (specdec/runtime/heads.py, which needs torch)
 
 
 def heads_tree(heads: Sequence[SparseDist], max_nodes: int, max_depth: int) -> TokenTree:
@@ -84,7 +82,7 @@ class HeadProposals:
     heads: tuple[SparseDist, ...]    # per head, head 1 first, its top candidates
 
 
-class TargetHeads(ProposalSource):
+class HeadsSource(ProposalSource):
     proposer = Proposer.HEADS
 
     def __init__(self, candidates: int) -> None:

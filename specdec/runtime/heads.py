@@ -31,7 +31,6 @@ from specdec.types import SparseDist
 HEADS_FORMAT = 1
 WEIGHTS_FILE = "heads.safetensors"
 META_FILE = "heads.json"
-MAX_HEAD_CANDIDATES = 32  # VerifyRequest.head_candidates' limit
 _IDENTITY_ROWS = 4096  # rows of the output layer digested at a time (bounds the copy)
 
 

@@ -15,13 +15,12 @@ from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.maths.logprobs import token_logprobs
 from specdec.runtime.generators import make_generator
-from specdec.runtime.heads import MAX_HEAD_CANDIDATES
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_runner import Row, SessionRunner
 from specdec.maths.sampling import target_probs
 from specdec.maths.tree import TokenTree
 from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
-from specdec.types import SamplingParams, SparseDist, TokenLogprobs, Verdict, check_top_logprobs
+from specdec.types import MAX_HEAD_CANDIDATES, SamplingParams, SparseDist, TokenLogprobs, Verdict, check_top_logprobs
 
 log = logging.getLogger(__name__)
 
