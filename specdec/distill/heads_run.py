@@ -16,8 +16,8 @@ import torch
 
 from specdec.distill.heads import TOP_N, HeadsData, HeadsTrainer, accuracy, prepare_heads
 from specdec.distill.objectives import Loss
-from specdec.distill.run import CHECKPOINT_DIR, REPORT_FILE, DistillConfig, Progress, Report, _load, \
-    read_sequences, resumed, tqdm_progress
+from specdec.distill.run import REPORT_FILE, DistillConfig, Progress, Report, _load, \
+    read_sequences, resumed, start_run
 from specdec.distill.trainer import TrainSettings
 from specdec.runtime.heads import HeadsMeta, MedusaHeads, load_heads, save_heads, target_identity
 
@@ -94,12 +94,7 @@ def _data(config: DistillConfig, model, tokenizer, folder: Path, progress: Progr
 def distill_heads(config: DistillConfig) -> HeadsReport:
     """See the module docstring."""
     _check(config)
-    out = Path(config.out)
-    folder = out / CHECKPOINT_DIR
-    if not config.resume and folder.exists():
-        shutil.rmtree(folder)
-    progress, _ = tqdm_progress(config.progress)
-    torch.manual_seed(config.seed)
+    out, folder, progress = start_run(config)
     started = time.perf_counter()
     target = _load(config.target, config.target_dtype, config.device)
     load_seconds = time.perf_counter() - started

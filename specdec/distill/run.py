@@ -230,14 +230,21 @@ def _save_dtype(config: DistillConfig) -> torch.dtype:
     return TORCH_DTYPES.get(named, torch.float32)
 
 
-def distill(config: DistillConfig) -> Report:
-    """See the module docstring."""
+def start_run(config: DistillConfig) -> tuple[Path, Path, Progress]:
+    """A run's output directory, its checkpoint folder (emptied unless resuming) and its
+    progress bars; the seed set."""
     out = Path(config.out)
     folder = out / CHECKPOINT_DIR
     if not config.resume and folder.exists():
         shutil.rmtree(folder)
     progress, _ = tqdm_progress(config.progress)
     torch.manual_seed(config.seed)
+    return out, folder, progress
+
+
+def distill(config: DistillConfig) -> Report:
+    """See the module docstring."""
+    out, folder, progress = start_run(config)
     prepared = _prepare(config, folder, progress)
     lora = config.lora_rank > 0
     settings = TrainSettings(steps=config.steps, batch_size=config.batch_size,
