@@ -30,7 +30,7 @@ from coordinator.sessions.lease_keeper import LeaseKeeper
 from coordinator.policy.load_governor import LoadGovernor
 from coordinator.recording import Recorder
 from coordinator.sources.base import ProposalSource
-from coordinator.sources.draft_model import DraftModel
+from coordinator.sources.draft_model import DraftModel, catch_up_tokens
 from coordinator.sources.heads import HeadsSource
 from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
@@ -38,6 +38,7 @@ from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode
 from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult, TokenTimes
 from coordinator.sessions.routing import Routes, model_fingerprint
 from coordinator.policy.heads_estimates import HeadsAtHand
+from coordinator.policy.session_policy import Horizon
 from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
 from coordinator.sessions.store import Lease, SessionRecord, SessionStore
@@ -205,7 +206,7 @@ class RoundLoop:
                     round_logprobs: list[TokenLogprobs] = []
                 else:
                     this_round = ahead if ahead is not None else self._round(
-                        run, spec, self._cap(record, generated, max_new), request.params, rng)
+                        run, spec, *self._room(record, generated, max_new), request.params, rng)
                     ahead = None  # awaited: done (its result or error taken) however the await ends
                     result = await this_round
                     round_tokens = []
@@ -235,7 +236,7 @@ class RoundLoop:
                     if (finish is None and self.overlap_store
                             and self.context_length - len(record.token_ids) > 0):
                         ahead = asyncio.ensure_future(self._round(
-                            run, spec, self._cap(record, generated, max_new), request.params, rng))
+                            run, spec, *self._room(record, generated, max_new), request.params, rng))
                     await self._save_snapshot(record, committed, lease)  # an error cancels `ahead` (finally)
                     self._observe_metrics(result, store_started)
                 delta, finish = text.delta(finish)
@@ -255,11 +256,12 @@ class RoundLoop:
             if ahead is not None:
                 await discard(ahead)
 
-    def _cap(self, record: SessionRecord, generated: list[int], max_new: int) -> int:
-        """The most tokens the next round may propose (the context has room for one more)."""
+    def _room(self, record: SessionRecord, generated: list[int], max_new: int) -> tuple[int, int]:
+        """(cap, tokens left): the most tokens the next round may propose (the context has room
+        for one more), and the most the request may still commit."""
         base = len(record.token_ids)
-        return max(0, min(self.max_gamma, max_new - len(generated) - 1, self.context_length - base - 1,
-                          self.draft_info.max_context_length - base))
+        left = max(0, min(max_new - len(generated), self.context_length - base))
+        return max(0, min(self.max_gamma, left - 1, self.draft_info.max_context_length - base)), left
 
     async def _save_snapshot(self, record: SessionRecord, snapshot: SessionRecord, lease: Lease) -> None:
         """Store `snapshot`, a shallow copy of `record` taken when a round was committed: the
@@ -280,6 +282,8 @@ class RoundLoop:
                      hints_kept=result.hints_kept, batch_tokens=result.batch_tokens,
                      tree=result.tree, accepted_nodes=result.verdict.accepted_nodes,
                      lookup_nodes=result.lookup_nodes)
+        if result.caught_up and result.call_seconds is not None:
+            spec.policy.costs.observe_catch_up(result.caught_up, result.plan.gamma, result.call_seconds)
 
     def _observe_latency(self, times: TokenTimes, chunk: Chunk) -> None:
         """A chunk leaves: the request's time to first token, and at its end its time per output token."""
@@ -302,8 +306,8 @@ class RoundLoop:
 
     # ---- one round ----------------------------------------------------------------------------
 
-    def _plan(self, run: RequestRun, spec: RequestSpeculation, cap: int, params: SamplingParams,
-              rng: RequestRng) -> Round:
+    def _plan(self, run: RequestRun, spec: RequestSpeculation, cap: int, tokens_left: int,
+              params: SamplingParams, rng: RequestRng) -> Round:
         """The round's source and γ (at most `cap`): draft model, prompt lookup, the heads or none."""
         started = time.perf_counter()
         record, stats = run.record, run.stats
@@ -320,7 +324,8 @@ class RoundLoop:
         lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
                   if spec.looks_up(cap, allowed) else NO_LOOKUP)
         typical, heads = self._heads_at_hand(spec, record)
-        plan = spec.plan(lookup, cap, draft_up, allowed, heads)
+        horizon = Horizon(tokens_left, catch_up_tokens(record, len(record.token_ids)), typical if heads is None else None)
+        plan = spec.plan(lookup, cap, draft_up, allowed, heads, horizon)
         candidates = (self.heads.candidates if typical is not None
                       and spec.policy.wants_heads(spec.mode, typical, cap, spec.load) else 0)
         if log.isEnabledFor(logging.DEBUG):
@@ -348,13 +353,13 @@ class RoundLoop:
         width = max(len(dist.token_ids) for dist in at_hand[:depth])
         return typical, HeadsAtHand(depth, limit, width, trees=target.verifies_trees)
 
-    async def _round(self, run: RequestRun, spec: RequestSpeculation, cap: int, params: SamplingParams,
-                     rng: RequestRng) -> RoundResult:
+    async def _round(self, run: RequestRun, spec: RequestSpeculation, cap: int, tokens_left: int,
+                     params: SamplingParams, rng: RequestRng) -> RoundResult:
         """One round: plan it, ask the planned source for its proposals (prompt lookup makes no
         draft call; a failing draft makes the round target-only), one verification with every
         source's side work alongside; records what the draft holds as the sources report it. What the draft holds stays
         as it was when a round does not call it: its next call sends what it lacks."""
-        rnd = self._plan(run, spec, cap, params, rng)
+        rnd = self._plan(run, spec, cap, tokens_left, params, rng)
         record, stats, base = run.record, run.stats, rnd.base
         source = self.sources[rnd.plan.source]
         drafts = await source.propose(rnd)
@@ -392,4 +397,4 @@ class RoundLoop:
             propose_seconds=drafts.propose_seconds, call_seconds=drafts.call_seconds, verify_seconds=verify_s,
             verified_tokens=verified, started=rnd.started, hints_kept=proposal.hints_kept,
             batch_tokens=batch_tokens, ahead=rnd.ahead, seconds=time.perf_counter() - rnd.started,
-            parents=proposal.parents, lookup_nodes=drafts.lookup_nodes, base=base)
+            parents=proposal.parents, lookup_nodes=drafts.lookup_nodes, base=base, caught_up=drafts.caught_up)

@@ -135,6 +135,8 @@ class Drafts:
     #                                         (None: not a plain round, e.g. a catch-up prefill)
     call_seconds: float | None = None       # the draft call on the round's critical path (None: none)
     lookup_nodes: int = 0                   # a draft tree's last nodes that are prompt lookup's branches
+    caught_up: int = 0                      # history tokens the draft call prefilled before it proposed
+    #                                         (a catch-up; call_seconds holds both)
 
 
 @dataclass
@@ -157,6 +159,7 @@ class RoundResult:
     parents: tuple[int, ...] = ()      # the drafts as a tree (as on the wire); (): a chain
     lookup_nodes: int = 0              # the tree's last nodes that are prompt lookup's grafted branches
     base: int = 0                      # committed tokens when the round began
+    caught_up: int = 0                 # history tokens the draft call prefilled first (Drafts.caught_up)
 
     @property
     def tree(self) -> TokenTree | None:

@@ -99,6 +99,17 @@ def check_alpha(alpha: float) -> None:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
 
 
+def spread_speedup(speedup: float, switch_steps: float, tokens_left: int) -> float:
+    """The speedup over the rest of a request (`tokens_left` tokens) of a source whose rounds run
+    at `speedup` once it is in use but which first costs `switch_steps` plain-decode steps more:
+    tokens_left / (switch_steps + tokens_left / speedup). What a switch costs is spread over the
+    tokens it serves: the draft catching up on history it lacks is worth it for a long answer,
+    not for the last few tokens. No switching cost or no horizon (0): `speedup`."""
+    if switch_steps <= 0 or tokens_left <= 0 or speedup <= 0:
+        return speedup
+    return tokens_left / (switch_steps + tokens_left / speedup)
+
+
 def argmax_speedup(alpha: float, relative_costs: list[float]) -> tuple[int, float]:
     """(γ, speedup) maximising E(α, γ) / relative_costs[γ]; γ = 0 scores 1."""
     best, best_value = 0, 1.0
@@ -196,6 +207,10 @@ class CostModel:
         # the draft growing a tree, against its depth: a depth's forward carries several nodes,
         # so it is fitted apart from the chains' steps (and leaves their fit to chains)
         self.tree_propose = LinearFit(decay, "proportional")
+        # the draft prefilling history it lacks (a new session's prompt, the tokens committed by
+        # rounds it did not propose) before its proposal, against those tokens: what a draft
+        # round costs more when the draft lags (`relative_catch_up`)
+        self.catch_up = LinearFit(decay, "proportional")
 
     def for_another_draft(self) -> "CostModel":
         """The costs of another draft model: this one's verify fit and prompt lookup's (the
@@ -204,6 +219,7 @@ class CostModel:
         other = copy.copy(self)
         other.propose = {**self.propose, Proposer.DRAFT: LinearFit(self.verify.decay, "proportional")}
         other.tree_propose = LinearFit(self.verify.decay, "proportional")
+        other.catch_up = LinearFit(self.verify.decay, "proportional")
         return other
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
@@ -215,6 +231,20 @@ class CostModel:
     def observe_tree_propose(self, depth: int, seconds: float) -> None:
         """The draft grew a tree `depth` deep (one forward per depth) in `seconds`."""
         self.tree_propose.observe(depth, seconds)
+
+    def observe_catch_up(self, tokens: int, gamma: int, seconds: float) -> None:
+        """A draft call that first prefilled `tokens` history tokens it lacked, then proposed γ,
+        took `seconds`: the part beyond the fitted t_propose(γ) is the catch-up's (left out while
+        the draft's steps are unmeasured: the catch-up could not be told apart)."""
+        propose = self.propose[Proposer.DRAFT].predict(gamma)
+        if propose is not None and tokens > 0:
+            self.catch_up.observe(tokens, max(0.0, seconds - propose))
+
+    def relative_catch_up(self, tokens: int, load: int = 1) -> float:
+        """The draft catching up on `tokens` history tokens, in plain-decode steps (t_verify(load)).
+        Unmeasured: 0 (free, as the round's own fit prices nothing of it)."""
+        seconds, t1 = self.catch_up.predict(tokens) if tokens > 0 else None, self.verify_seconds(1, load)
+        return seconds / t1 if seconds is not None and t1 else 0.0
 
     def relative_cost(self, source: Proposer, gamma: int, load: int = 1) -> float:
         """(t_propose(γ) + t_verify(load·(γ + 1))) / t_verify(load): a round's cost in plain-decode

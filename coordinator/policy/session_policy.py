@@ -63,6 +63,12 @@ draft is sure.
 The target's heads (heads_estimates.py): where the round before read them, a round may verify
 their tree instead, priced as such a tree with an α per depth and no proposal time; it is a
 source like the others (warm-up, probes), eligible only with proposals at hand.
+
+Switching costs (`Horizon`): a draft that lags the history (a new session's prompt; the tokens of
+rounds it did not propose) first prefills what it lacks, a one-off cost the round's own fit
+leaves out; heads not at hand need one plain round whose Verify reads them. Each is spread over
+the tokens the request may still commit (`spread_speedup`), so a short answer is not worth the
+draft catching up on a long prompt where the heads, one round away, do as well — and a long one is.
 """
 
 from __future__ import annotations
@@ -74,8 +80,8 @@ from specdec.maths.tree import TreeOutcome
 from specdec.types import Proposer
 
 from coordinator.policy.estimates import (
-    SOURCES, AcceptanceEstimate, CostModel, argmax_speedup, check_alpha, expected_tokens, tree_budgets,
-    tree_expected_tokens)
+    SOURCES, AcceptanceEstimate, CostModel, argmax_speedup, check_alpha, expected_tokens, spread_speedup,
+    tree_budgets, tree_expected_tokens)
 from coordinator.policy.heads_estimates import HeadsAtHand, SessionHeads, warmup_nodes
 
 
@@ -108,13 +114,28 @@ class PolicyConfig:
     #                                    cost until tree rounds are timed)
 
 
+HEADS_NEXT = "heads next"  # a plain round whose Verify reads the heads for the rounds after it
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """What switching source costs a round, and the tokens that cost is spread over."""
+
+    tokens_left: int = 0    # the most tokens the request may still commit (0: unknown; switching is free)
+    draft_lag: int = 0      # history tokens the draft must prefill before it proposes (0: it holds it all)
+    heads_next: HeadsAtHand | None = None  # heads served but none at hand: a next round's (else None)
+
+
+NO_HORIZON = Horizon()
+
+
 @dataclass(frozen=True)
 class Choice:
     """A round's plan. Unpacks as ``source, gamma = choice``."""
 
     source: Proposer   # DRAFT | PROMPT_LOOKUP | HEADS | NONE
     gamma: int         # tokens to propose (0 exactly when source is "none"; heads: the tree's depth)
-    reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable"
+    reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable" | HEADS_NEXT
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
     tree_nodes: int = 0   # a draft or heads round: propose a tree of this many nodes, γ deep (0: a chain)
 
@@ -198,7 +219,7 @@ class SessionPolicy:
             return True
         state = self.sources[Proposer.HEADS]
         if (state.acceptance.rounds < self.config.warmup_rounds or self._last.source == Proposer.HEADS
-                or state.clock.idle >= state.clock.interval):
+                or self._last.reason == HEADS_NEXT or state.clock.idle >= state.clock.interval):
             return True
         if typical is None:
             return False
@@ -292,7 +313,8 @@ class SessionPolicy:
     def choose(self, max_gamma: int | None = None, lookup_available: int = 0,
                draft_available: bool = True, mode: Proposer = Proposer.AUTO,
                fixed_gamma: int | None = None, lookup_order: int = 0, load: int = 1,
-               max_tree_nodes: int = 0, heads: HeadsAtHand | None = None) -> Choice:
+               max_tree_nodes: int = 0, heads: HeadsAtHand | None = None,
+               horizon: Horizon = NO_HORIZON) -> Choice:
         """The source and γ of the next round.
 
         max_gamma: this round's cap (tokens left, context room, the services' limits);
@@ -306,6 +328,7 @@ class SessionPolicy:
         request or the coordinator turned trees off, γ is fixed);
         heads: the target's heads' proposals read in the round before (None: none at hand). A
         heads choice's γ is its tree's depth and tree_nodes its size (a fixed γ: its size).
+        horizon: the draft's catch-up and the heads' plain round, spread over the tokens left.
         """
         if not isinstance(mode, Proposer):
             mode = Proposer(mode)  # ValueError for anything else
@@ -321,7 +344,8 @@ class SessionPolicy:
             choice = Choice(mode, min(fixed_gamma, caps[mode]), "override")
         else:
             choice = self._explore(caps, fixed_gamma) or self._best(
-                caps, fixed_gamma, lookup_order, load, 0 if fixed_gamma is not None else max_tree_nodes, heads)
+                caps, fixed_gamma, lookup_order, load, 0 if fixed_gamma is not None else max_tree_nodes, heads,
+                horizon if fixed_gamma is None else NO_HORIZON)
         if choice.source == Proposer.HEADS and not choice.tree_nodes and heads is not None:
             nodes = (warmup_nodes(choice.gamma, heads) if fixed_gamma is None
                      else max(choice.gamma, min(fixed_gamma, heads.nodes_most(choice.gamma))))
@@ -391,11 +415,13 @@ class SessionPolicy:
         return None
 
     def _best(self, caps: dict[Proposer, int], fixed_gamma: int | None, lookup_order: int = 0,
-              load: int = 1, max_tree_nodes: int = 0, heads: HeadsAtHand | None = None) -> Choice:
+              load: int = 1, max_tree_nodes: int = 0, heads: HeadsAtHand | None = None,
+              horizon: Horizon = NO_HORIZON) -> Choice:
         """The eligible source and γ (a draft round: or tree; heads: their tree) with the largest
-        estimated speedup; none when no source beats plain decoding (with a fixed γ a source is
-        always used)."""
-        options = []
+        estimated speedup over the tokens left (`horizon`: the draft's catch-up, a plain round
+        that reads the heads); none when no source beats plain decoding (with a fixed γ a source
+        is always used)."""
+        options = [] if horizon.heads_next is None else self._heads_next(horizon, max(caps.values()), load)
         for source, cap in caps.items():
             if source == Proposer.HEADS:
                 found = None if heads is None or self.heads is None else self.heads.best_round(
@@ -416,6 +442,9 @@ class SessionPolicy:
                 if tree is not None and tree.speedup > (best.speedup if best else 1.0) * (
                         1.0 + self.config.tree_min_gain):
                     best = tree
+            if best is not None and source == Proposer.DRAFT:  # the catch-up, spread over the tokens left
+                best = replace(best, speedup=spread_speedup(
+                    best.speedup, self.costs.relative_catch_up(horizon.draft_lag, load), horizon.tokens_left))
             if best is not None:
                 options.append(best)
         if not options:
@@ -423,10 +452,20 @@ class SessionPolicy:
         top = max(options, key=lambda option: option.speedup)  # ties: the first (draft)
         if fixed_gamma is None and top.speedup <= 1.0 + self.config.min_gain:
             return Choice(Proposer.NONE, 0, "best")
-        if top.speedup > 1.0 + self.config.min_gain:  # it wins (not merely forced by a fixed γ):
+        if top.speedup > 1.0 + self.config.min_gain and top.source in self.sources:  # it wins (not forced):
             # once it stops, it is probed soon (its α may have dipped on a few rounds)
             self.sources[top.source].clock.interval = self.config.lapsed_probe_interval
         return top
+
+    def _heads_next(self, horizon: Horizon, cap: int, load: int) -> list[Choice]:
+        """A plain round that reads the heads (none at hand now), priced as the heads' best round
+        from the next round on (`HEADS_NEXT`; [] where that does not beat plain decoding)."""
+        if self.heads is None or horizon.tokens_left <= 1:  # no round after this one to take them
+            return []
+        found = self.heads.best_round(horizon.heads_next, cap, lambda nodes: self.costs.relative_heads_cost(nodes, load))
+        if found is None or found[2] <= 1.0:
+            return []
+        return [Choice(Proposer.NONE, 0, HEADS_NEXT, spread_speedup(found[2], 1.0 - 1.0 / found[2], horizon.tokens_left))]
 
     def _best_tree(self, alpha: float, max_depth: int, max_nodes: int, load: int) -> Choice | None:
         """The draft tree (depth, nodes) with the largest estimated speedup (None: no budget fits)."""

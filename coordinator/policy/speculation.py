@@ -37,7 +37,7 @@ from specdec.types import Proposer, Trees
 
 from coordinator.policy.estimates import AcceptanceEstimate, CostModel
 from coordinator.policy.heads_estimates import DepthAcceptance, HeadsAtHand, SessionHeads
-from coordinator.policy.session_policy import PolicyConfig, ProbeClock, SessionPolicy
+from coordinator.policy.session_policy import NO_HORIZON, Horizon, PolicyConfig, ProbeClock, SessionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class FixedCosts(CostModel):
 
     def relative_heads_cost(self, nodes: int, load: int = 1) -> float:
         return 1.0  # no proposal call; verification flat
+
+    def relative_catch_up(self, tokens: int, load: int = 1) -> float:
+        return 0.0  # switching sources is free
 
 
 @dataclass(frozen=True)
@@ -155,10 +158,12 @@ class RequestSpeculation:
                 and cap > 0 and self.fixed_gamma != 0)
 
     def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True,
-             heads: HeadsAtHand | None = None) -> Plan:
+             heads: HeadsAtHand | None = None, horizon: Horizon = NO_HORIZON) -> Plan:
         """The next round's source and γ (at most `cap`: tokens left, context room, limits), given
         what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used) and
-        the target's heads' proposals at hand (`heads`, None: none).
+        the target's heads' proposals at hand (`heads`, None: none); an adaptive request weighs
+        switching sources (`horizon`: the draft's catch-up, a plain round that reads the heads)
+        over the tokens it has left, one that fixes its source or γ gets what it asked for.
         allowed=False: the coordinator measured that speculation does not pay under the current
         load (load_governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
         if not allowed and self.governed:
@@ -169,7 +174,8 @@ class RequestSpeculation:
         choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
                                     fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
-                                    max_tree_nodes=self.max_tree_nodes, heads=heads if self.uses_heads else None)
+                                    max_tree_nodes=self.max_tree_nodes, heads=heads if self.uses_heads else None,
+                                    horizon=horizon if self.governed else NO_HORIZON)
         if choice.source == Proposer.PROMPT_LOOKUP:
             return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
                         lookup.seconds + time.perf_counter() - t0, choice.speedup)

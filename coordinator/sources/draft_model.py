@@ -27,12 +27,25 @@ from coordinator.sources.base import ProposalSource, with_lookup_branches
 from coordinator.sources.draft_ahead import AheadCall, ahead_steps, take_predrafted
 from coordinator.rounds import Drafts, RequestRun, Round, RoundResult
 from coordinator.sessions.routing import Routes
+from coordinator.sessions.store import SessionRecord
 from coordinator.tasks import discard
 from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)
 
 DRAFT_FAILURES = (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument)  # the round goes on without
+PLAIN_ROUND_TOKENS = 2  # history a draft round sends the draft in steady use: more is a catch-up prefill
+
+
+def lacking_tokens(record: SessionRecord, base: int) -> int:
+    """The history tokens a draft call at `base` committed tokens sends the draft (at least the last)."""
+    return base - min(record.draft.held, base - 1)
+
+
+def catch_up_tokens(record: SessionRecord, base: int) -> int:
+    """The history a draft round at `base` would first prefill (0: none beyond a plain round's)."""
+    lacking = lacking_tokens(record, base)
+    return lacking if lacking > PLAIN_ROUND_TOKENS else 0
 
 
 class DraftModel(ProposalSource):
@@ -56,7 +69,7 @@ class DraftModel(ProposalSource):
             stats.draft_ahead_rounds += 1
             return Drafts(predrafted, Proposer.DRAFT if predrafted.draft_tokens else Proposer.NONE)
         record = run.record
-        lacking, misses = rnd.base - min(record.draft.held, rnd.base - 1), stats.cache_misses
+        caught_up, misses = catch_up_tokens(record, rnd.base), stats.cache_misses
         t0 = time.perf_counter()
         proposal = None
         try:  # a tree's plan carries no hints and no early stop (they go with chains)
@@ -70,12 +83,12 @@ class DraftModel(ProposalSource):
         stats.draft_seconds += seconds
         if proposal is None or not proposal.draft_tokens:
             return Drafts(call_seconds=seconds)
-        # a plain round sends the draft at most 2 tokens; more is a catch-up prefill
-        timed = lacking <= 2 and stats.cache_misses == misses
+        timed = not caught_up and stats.cache_misses == misses  # a plain round: its time is the round's
         grafted = 0
         if proposal.parents and plan.branches:
             proposal, grafted = with_lookup_branches(proposal, plan.branches, self.max_gamma)
-        return Drafts(proposal, Proposer.DRAFT, seconds if timed else None, seconds, lookup_nodes=grafted)
+        return Drafts(proposal, Proposer.DRAFT, seconds if timed else None, seconds, lookup_nodes=grafted,
+                      caught_up=caught_up if stats.cache_misses == misses else 0)
 
     def alongside(self, rnd: Round, drafts: Drafts) -> AheadCall | _Prefetch | None:
         if rnd.plan.source != Proposer.DRAFT:
@@ -149,7 +162,7 @@ class DraftModel(ProposalSource):
         then, if the policy probes the draft at all)."""
         run = rnd.run
         if not (self.beside_verification and rnd.spec.uses_draft and rnd.draft_up and rnd.allowed and run.calls[Tier.DRAFT] == 0
-                and rnd.base - run.record.draft.held > 2):
+                and catch_up_tokens(run.record, rnd.base)):
             return None
         return _Prefetch(rnd, asyncio.ensure_future(self._catch_up(run, rnd.params, rnd.seeds.draft)))
 
