@@ -141,3 +141,21 @@ def test_the_round_loop_learns_the_catch_up_from_the_drafts_calls(models):
         response = cluster.complete(prompt="class Stack:\n    def __init__(self):\n        self.items = []\n", **request)
         assert costs.catch_up.w == 1 and costs.catch_up.sx >= len("class Stack:")  # byte-level: a token a byte
         assert costs.relative_catch_up(100) > 0 and response.stats.draft_rounds > 1
+
+
+@pytest.mark.unit
+def test_a_probe_of_a_draft_that_would_catch_up_waits_for_a_round_where_it_holds_the_history():
+    """Heads that win under auto: the draft's probe comes due, but while the draft lacks history a
+    probe would pay the catch-up whatever it finds; it waits, then probes once the draft is level."""
+    policy = with_catch_up(pinned_policy([0.9, 0.8, 0.7], draft_alpha=0.5, heads_b=0.2))
+    lagging = Horizon(64, 300)
+    for _ in range(policy.config.probe_interval + 2):
+        choice = policy.choose(max_gamma=8, heads=TYPICAL, horizon=lagging)
+        assert (choice.source, choice.reason) == (Proposer.HEADS, "best")
+    assert policy.sources[Proposer.DRAFT].clock.idle > policy.sources[Proposer.DRAFT].clock.interval  # it is due
+    unmeasured = pinned_policy([0.9, 0.8, 0.7], draft_alpha=0.5, heads_b=0.2)  # a catch-up not measured: free
+    for _ in range(unmeasured.config.probe_interval):
+        unmeasured.choose(max_gamma=8, heads=TYPICAL, horizon=lagging)
+    assert unmeasured.choose(max_gamma=8, heads=TYPICAL, horizon=lagging).reason == "probe"
+    probe = policy.choose(max_gamma=8, heads=TYPICAL, horizon=Horizon(64, 0))
+    assert (probe.source, probe.reason) == (Proposer.DRAFT, "probe")

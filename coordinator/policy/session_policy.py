@@ -343,7 +343,7 @@ class SessionPolicy:
         if fixed_gamma is not None and mode != Proposer.AUTO:
             choice = Choice(mode, min(fixed_gamma, caps[mode]), "override")
         else:
-            choice = self._explore(caps, fixed_gamma) or self._best(
+            choice = self._explore(caps, fixed_gamma, horizon, load) or self._best(
                 caps, fixed_gamma, lookup_order, load, 0 if fixed_gamma is not None else max_tree_nodes, heads,
                 horizon if fixed_gamma is None else NO_HORIZON)
         if choice.source == Proposer.HEADS and not choice.tree_nodes and heads is not None:
@@ -401,15 +401,21 @@ class SessionPolicy:
             caps[Proposer.HEADS] = min(cap, heads.depth)
         return caps
 
-    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None) -> Choice | None:
-        """Warm-up of a source without enough data, or a probe of one left unused too long."""
+    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None, horizon: Horizon = NO_HORIZON,
+                 load: int = 1) -> Choice | None:
+        """Warm-up of a source without enough data, or a probe of one left unused too long — but
+        not of a draft that would first catch up on history (`horizon`): such a probe costs the
+        catch-up whatever it finds, and the draft is still chosen where the α it is judged on
+        (the coordinator's, once warmed up) makes it worth catching up (`_best`). Its probe waits
+        for a round where it holds the history."""
         c = self.config
         for source, cap in caps.items():
             if self.sources[source].acceptance.rounds < c.warmup_rounds:
                 return Choice(source, min(fixed_gamma or c.default_gamma, cap), "warmup")
+        lagging = self.costs.relative_catch_up(horizon.draft_lag, load) > 0
         for source, cap in caps.items():
             clock = self.sources[source].clock
-            if clock.idle >= clock.interval:
+            if clock.idle >= clock.interval and not (source == Proposer.DRAFT and lagging):
                 clock.interval = min(2 * clock.interval, c.max_probe_interval)
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None

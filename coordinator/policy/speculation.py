@@ -136,6 +136,7 @@ class RequestSpeculation:
         # prompt lookup's α per match length over all sessions (fed here, read by new sessions)
         self.order_priors = order_priors if order_priors is not None else {}
         self._order = 0  # the match length of the planned prompt-lookup round
+        self._horizon = NO_HORIZON  # the planned round's switching costs (adaptive requests only)
         self.load = 1  # generations sharing the target (set by the round loop before each plan)
         self.tree_nodes = tree_nodes if tree_nodes > 1 else 0  # every draft round a tree of this many nodes
         self.max_tree_nodes = 0 if self.tree_nodes else max_tree_nodes  # or the policy's, up to this many
@@ -171,11 +172,12 @@ class RequestSpeculation:
         t0 = time.perf_counter()
         candidates = lookup.tokens[:cap] if self.looks_up(cap) else []
         self._order = lookup.order if candidates else 0
+        self._horizon = horizon if self.governed else NO_HORIZON
         choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
                                     draft_available=draft_available, mode=self.mode,
                                     fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
                                     max_tree_nodes=self.max_tree_nodes, heads=heads if self.uses_heads else None,
-                                    horizon=horizon if self.governed else NO_HORIZON)
+                                    horizon=self._horizon)
         if choice.source == Proposer.PROMPT_LOOKUP:
             return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
                         lookup.seconds + time.perf_counter() - t0, choice.speedup)
@@ -203,7 +205,9 @@ class RequestSpeculation:
         shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
         return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
                 f"{_fmt(alpha)} prompt lookup {_fmt(lookup_alpha)}; draft round of 4 costs "
-                f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load})")
+                f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load}; "
+                f"{self._horizon.tokens_left} tokens left, the draft lacks {self._horizon.draft_lag} "
+                f"({self.policy.costs.relative_catch_up(self._horizon.draft_lag, self.load):.2f} plain steps))")
 
     def observe(self, source: Proposer, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
