@@ -343,9 +343,10 @@ class SessionPolicy:
         if fixed_gamma is not None and mode != Proposer.AUTO:
             choice = Choice(mode, min(fixed_gamma, caps[mode]), "override")
         else:
+            horizon = horizon if fixed_gamma is None else NO_HORIZON  # a fixed γ gets what it asked for
             choice = self._explore(caps, fixed_gamma, horizon, load) or self._best(
                 caps, fixed_gamma, lookup_order, load, 0 if fixed_gamma is not None else max_tree_nodes, heads,
-                horizon if fixed_gamma is None else NO_HORIZON)
+                horizon)
         if choice.source == Proposer.HEADS and not choice.tree_nodes and heads is not None:
             nodes = (warmup_nodes(choice.gamma, heads) if fixed_gamma is None
                      else max(choice.gamma, min(fixed_gamma, heads.nodes_most(choice.gamma))))

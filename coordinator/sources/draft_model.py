@@ -37,14 +37,10 @@ DRAFT_FAILURES = (Unavailable, ResourceExhausted, ServiceFault, InvalidArgument)
 PLAIN_ROUND_TOKENS = 2  # history a draft round sends the draft in steady use: more is a catch-up prefill
 
 
-def lacking_tokens(record: SessionRecord, base: int) -> int:
-    """The history tokens a draft call at `base` committed tokens sends the draft (at least the last)."""
-    return base - min(record.draft.held, base - 1)
-
-
 def catch_up_tokens(record: SessionRecord, base: int) -> int:
-    """The history a draft round at `base` would first prefill (0: none beyond a plain round's)."""
-    lacking = lacking_tokens(record, base)
+    """The history a draft round at `base` committed tokens would first prefill: what the call
+    sends the draft (at least the last token), where that is more than a plain round's (else 0)."""
+    lacking = base - min(record.draft.held, base - 1)
     return lacking if lacking > PLAIN_ROUND_TOKENS else 0
 
 
