@@ -53,6 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-vocab", type=int, default=8192,
                    help="--heads: a step's softmax runs over the ids its loss reads plus random others up to "
                         "this many, those standing for the rest of the vocabulary (0: the whole vocabulary)")
+    p.add_argument("--proposal-vocab", type=int, default=32768,
+                   help="--heads: the served heads propose from this many ids only, those the training data "
+                        "holds most often (each Verify then reads that slice of the output layer, not all of "
+                        "it; 0: the whole vocabulary)")
     p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on every linear "
                                                             "layer (needs peft: the distill extra), merged "
@@ -100,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, generate_temperature=args.generate_temperature,
         eval_new_tokens=args.eval_new_tokens, proposal_top_k=args.proposal_top_k,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keep_checkpoint=args.keep_checkpoint,
-        seed=args.seed, progress=not args.no_progress, heads=args.heads, head_vocab=args.head_vocab)
+        seed=args.seed, progress=not args.no_progress, heads=args.heads, head_vocab=args.head_vocab,
+        proposal_vocab=args.proposal_vocab)
     for name, value in (("--steps", config.steps), ("--batch-size", config.batch_size), ("--top-k", config.top_k),
-                        ("--head-vocab", config.head_vocab)):
-        if value < 1 and not (name in ("--steps", "--head-vocab") and value == 0):
+                        ("--head-vocab", config.head_vocab), ("--proposal-vocab", config.proposal_vocab)):
+        if value < 1 and not (name in ("--steps", "--head-vocab", "--proposal-vocab") and value == 0):
             raise SystemExit(f"specdec distill: {name} must be >= 1, got {value}")
     try:
         if heads:

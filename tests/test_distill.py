@@ -214,18 +214,23 @@ def test_heads_learn_the_targets_greedy_text_and_bind_to_it(counting, pair, tmp_
     assert main(["distill", "--heads", "2", "--target", counting["target"], "--out", str(out),
                  "--prompts", counting["train"], "--eval-prompts", counting["eval"], "--generate-temperature", "0",
                  "--steps", "60", "--lr", "1e-2", "--batch-size", "128", "--seq-len", "64", "--max-new-tokens", "16",
-                 "--eval-new-tokens", "16", "--no-progress"]) == 0
+                 "--eval-new-tokens", "16", "--proposal-vocab", "11", "--no-progress"]) == 0
     report = json.loads((out / REPORT_FILE).read_text())
     before, after = ({h["head"]: h["top1"] for h in report[when]["heads"]} for when in ("before", "after"))
+    # the 11 words the data holds (never EOS, id 0): every held-out token among them, so the heads
+    # rank as they do over the whole vocabulary
+    assert report["served"]["proposal_vocab"] == 11 and report["served"]["held_out_coverage"] == 1.0
+    assert report["served"]["heads"] == report["after"]["heads"]
     assert before[1] < 0.1 and after[1] >= 0.5, report
     assert report["after"]["heads"][0]["positions"] > 100 and report["loss_last"] < report["loss_first"]
     assert not (out / "checkpoint").exists()
     printed = capsys.readouterr().out
     assert "top-1 before -> after" in printed and f"{after[1]:.4f}" in printed
+    assert "proposing from 11 ids (100.00% of the held-out tokens)" in printed
     meta = read_meta(out)
-    assert meta.num_heads == 2 and meta.report["after"] == report["after"]
-    heads, _, _ = load_heads(out, load_model(counting["target"], "bfloat16").model, "cpu", torch.float32)
-    assert heads.num_heads == 2
+    assert meta.num_heads == 2 and meta.report["after"] == report["after"] and meta.proposal_vocab == 11
+    heads, _, _, vocab = load_heads(out, load_model(counting["target"], "bfloat16").model, "cpu", torch.float32)
+    assert heads.num_heads == 2 and vocab.tolist() == list(range(1, 12))
     with pytest.raises(HeadsMismatch, match="trained for another model"):
         load_heads(out, load_model(pair["target"], "float32").model, "cpu", torch.float32)
 

@@ -15,6 +15,7 @@ import dataclasses
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from specdec.runtime.heads import HeadsMeta, save_heads, target_identity
 from specdec.runtime.loader import load_model
@@ -34,13 +35,15 @@ PROMPTS = IDS_PROMPTS + [[4, 4, 8, 1, 6], [11, 2, 5]]
 NEW_TOKENS = 24
 
 
-def random_heads(target: str, directory, seed: int) -> str:
-    """Heads for `target` saved in `directory`: residual blocks of random weights (`seed`)."""
+def random_heads(target: str, directory, seed: int, proposal_vocab: list[int] | None = None) -> str:
+    """Heads for `target` saved in `directory`: residual blocks of random weights (`seed`),
+    proposing from `proposal_vocab` (None: the whole vocabulary)."""
     model = load_model(target, "float32").model
     hidden = model.config.hidden_size
     heads = random_heads_of(hidden, seed, num_heads=NUM_HEADS, scale=0.3)
     meta = HeadsMeta(NUM_HEADS, hidden, target_identity(model), target)
-    return str(save_heads(directory, heads, meta))
+    vocab = None if proposal_vocab is None else torch.tensor(proposal_vocab)
+    return str(save_heads(directory, heads, meta, vocab))
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +137,22 @@ def test_a_target_restarted_with_other_heads_has_them_learnt_afresh(small_vocab_
         assert loop.speculation.policy(first.session_id).heads.heads_id == new
         assert loop.speculation.heads_estimates(new).rounds == again.stats.heads_rounds > 0
         assert loop.speculation.heads_estimates(old).rounds == old_rounds  # untouched
+
+
+def test_heads_with_a_proposal_vocabulary_keep_the_output(small_vocab_models, tmp_path):
+    """Heads that may propose 7 of the 12 ids only: where the target's token is another, their
+    proposals are rejected and the output is still the target's, token for token."""
+    target = small_vocab_models["target"]
+    heads = random_heads(target, tmp_path / "vocab", seed=5, proposal_vocab=[1, 2, 4, 5, 6, 8, 11])
+    with Cluster(small_vocab_models["draft"], target, target={"heads": heads}) as cluster:
+        accepted = proposed = 0
+        for ids in PROMPTS:
+            response = cluster.complete(token_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                        proposer=coordinator_pb2.PROPOSER_HEADS)
+            assert list(response.token_ids) == target_only(target, ids, NEW_TOKENS), ids
+            accepted += response.stats.heads_accepted_tokens
+            proposed += response.stats.heads_draft_tokens
+        assert 0 < accepted < proposed
 
 
 def test_proposer_heads_without_heads_is_failed_precondition(small_vocab_models):

@@ -293,11 +293,33 @@ class HeadsTrainer(Trainer):
 # ---- accuracy ------------------------------------------------------------------------------------
 
 
+def proposal_vocabulary(data: HeadsData, size: int) -> torch.Tensor | None:
+    """The `size` ids the heads will propose from (runtime/heads.py): those the training data
+    holds most often — its tokens and the target's argmax at each position — then, among equal
+    counts and unseen ids, the lowest (a BPE vocabulary lists its commonest merges first); sorted
+    [size] int64. None for 0 or a size that covers the whole vocabulary."""
+    if size <= 0 or size >= data.vocab:
+        return None
+    seen = torch.cat([data.tokens.flatten(), data.top.ids[:, 0].flatten()]).clamp(0, data.vocab - 1)
+    counts = torch.bincount(seen, minlength=data.vocab)  # [vocab]
+    ranked = torch.sort(-counts, stable=True).indices  # most frequent first, ties by lowest id
+    return torch.sort(ranked[:size]).values
+
+
+def vocab_coverage(data: HeadsData, vocab_ids: torch.Tensor | None) -> float:
+    """The fraction of the held-out greedy tokens that lie in the proposal vocabulary."""
+    if vocab_ids is None:
+        return 1.0
+    held = torch.cat(data.held_greedy) if data.held_greedy else torch.zeros(0, dtype=torch.long)
+    return round(float(torch.isin(held, vocab_ids.cpu()).float().mean()) if held.numel() else 1.0, 4)
+
+
 @torch.no_grad()
-def accuracy(heads: MedusaHeads, output_layer: Any, data: HeadsData) -> dict:
+def accuracy(heads: MedusaHeads, output_layer: Any, data: HeadsData, vocab_ids: torch.Tensor | None = None) -> dict:
     """Per head k on the held-out positions t (t + k scored too): top-1 — head k's argmax is the
     target's greedy token at t + k + 1 (its argmax at t + k) — and top-N — that token is among
-    the head's N most likely. Through runtime/heads.head_logits, as the target service runs them."""
+    the head's N most likely. Through runtime/heads.head_logits, as the target service runs them;
+    with `vocab_ids` ranked among those ids only (a proposal vocabulary)."""
     was_training = heads.training
     heads.eval()
     device, dtype = heads.blocks[0].weight.device, output_layer.weight.dtype
@@ -308,7 +330,11 @@ def accuracy(heads: MedusaHeads, output_layer: Any, data: HeadsData) -> dict:
         for hidden, greedy in zip(data.held_hidden, data.held_greedy):
             for begin in range(0, hidden.shape[0], EVAL_ROWS):
                 chunk = hidden[begin:begin + EVAL_ROWS].to(device, dtype)  # [rows, hidden]
-                best = head_logits(heads, output_layer, chunk).topk(TOP_N, dim=-1).indices.cpu()  # [heads, rows, N]
+                logits = head_logits(heads, output_layer, chunk)  # [heads, rows, vocab]
+                if vocab_ids is None:
+                    best = logits.topk(TOP_N, dim=-1).indices.cpu()  # [heads, rows, N]
+                else:
+                    best = vocab_ids[logits[..., vocab_ids].topk(TOP_N, dim=-1).indices].cpu()
                 for k in range(heads.num_heads):
                     rows = min(chunk.shape[0], greedy.shape[0] - (k + 1) - begin)
                     if rows <= 0:

@@ -9,12 +9,13 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from specdec.distill.heads import TOP_N, HeadsData, HeadsTrainer, accuracy, prepare_heads
+from specdec.distill.heads import TOP_N, HeadsData, HeadsTrainer, accuracy, prepare_heads, \
+    proposal_vocabulary, vocab_coverage
 from specdec.distill.objectives import Loss
 from specdec.distill.run import REPORT_FILE, DistillConfig, Progress, Report, _load, \
     read_sequences, resumed, start_run
@@ -32,7 +33,10 @@ class HeadsReport(Report):
     """What a heads run did, as written to OUT/distill-report.json and heads.json's report: the
     draft run's fields, where `data` counts positions, `before` is accuracy() of the untrained
     heads (each predicts the target's next token) and `after` that of the written heads, loaded
-    back for the target."""
+    back for the target, over the whole vocabulary; `served` is that accuracy as the target service
+    proposes, among the proposal vocabulary's ids, with its size and held-out coverage."""
+
+    served: dict = field(default_factory=dict)
 
     def table(self) -> str:
         """The report as printed."""
@@ -47,6 +51,10 @@ class HeadsReport(Report):
             was = before.get(head["head"], {})
             lines.append(f"    {head['head']:>4}  {_fmt(was.get('top1'))} -> {_fmt(head['top1'])}        "
                          f"{_fmt(was.get(f'top{TOP_N}'))} -> {_fmt(head[f'top{TOP_N}'])}")
+        vocab = self.served.get("proposal_vocab", 0)
+        if vocab:
+            lines.append(f"  proposing from {vocab} ids ({self.served['held_out_coverage']:.2%} of the held-out "
+                         f"tokens): top-1 " + " / ".join(_fmt(h["top1"]) for h in self.served["heads"]))
         lines.append("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items()))
         return "\n".join(lines)
 
@@ -117,17 +125,19 @@ def distill_heads(config: DistillConfig) -> HeadsReport:
     identity = target_identity(model)
     meta = HeadsMeta(num_heads=config.heads, hidden_size=heads.hidden_size, target_identity=identity,
                      target_model_id=config.target)
-    written = save_heads(folder / WRITTEN_DIR, heads, meta)
-    loaded, _, _ = load_heads(written, model, config.device, torch.float32)
+    written = save_heads(folder / WRITTEN_DIR, heads, meta, proposal_vocabulary(data, config.proposal_vocab))
+    loaded, meta, _, vocab_ids = load_heads(written, model, config.device, torch.float32)
     after = accuracy(loaded, output_layer, data)
+    served = {"proposal_vocab": meta.proposal_vocab, "held_out_coverage": vocab_coverage(data, vocab_ids),
+              **(after if vocab_ids is None else accuracy(loaded, output_layer, data, vocab_ids))}
     seconds["accuracy_after"] = round(time.perf_counter() - started, 2)
     report = HeadsReport(config={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
                          data={"positions": data.positions, "held_out_sequences": len(data.held_hidden),
                                "held_out_positions": data.held_positions, **data.summary,
                                "softmax_ids_per_step": round(sum(counts) / len(counts)) if counts else None},
                          before=data.before, after=after, loss_first=_mean(losses[:10]),
-                         loss_last=_mean(losses[-10:]), steps=len(losses), seconds=seconds)
-    save_heads(out, loaded, replace(meta, report=report.to_json()))
+                         loss_last=_mean(losses[-10:]), steps=len(losses), seconds=seconds, served=served)
+    save_heads(out, loaded, replace(meta, report=report.to_json()), vocab_ids)
     (out / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if not config.keep_checkpoint:
         shutil.rmtree(folder, ignore_errors=True)

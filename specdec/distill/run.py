@@ -69,6 +69,7 @@ class DistillConfig:
     progress: bool = True             # tqdm progress bars
     heads: int = 0                    # K > 0: train K Medusa-style heads on the target, no draft
     head_vocab: int = 8192            # heads: ids a step's softmax runs over (0: the whole vocabulary)
+    proposal_vocab: int = 32768       # heads: the ids they propose from, the data's commonest (0: all)
 
 
 @dataclass

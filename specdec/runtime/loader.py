@@ -29,7 +29,7 @@ class LoadedModel:
     model_id: str
     dtype: torch.dtype
     device: torch.device
-    # --heads: (MedusaHeads, HeadsMeta, heads_id) loaded with the model (target_heads.load_for); None: none
+    # --heads: target_heads.LoadedHeads, loaded with the model (target_heads.load_for); None: none
     heads: Any = None
 
 
@@ -85,6 +85,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
     packed = prepack and quantize == Quantization.NONE and packing_available(target_device, torch_dtype)
     if packed:
         model = prepack_linears(model)
+        if loaded_heads is not None and loaded_heads.vocab is not None:
+            prepack_linears(loaded_heads.vocab)  # the heads' rows of the output layer, like the layer
     elif prepack and quantize == Quantization.NONE and torch_dtype == torch.bfloat16 and target_device.type == "cpu":
         log.info("--prepack: oneDNN here takes no packed bfloat16 linear; %s runs unpacked", spec)
     linears = f", {quantize} linears" if quantize in CPU_ONLY else ", oneDNN-packed linears" if packed else ""
