@@ -3,13 +3,17 @@
 Usage:
   python bench/verify_cost.py [--target-model T] [--dtype bfloat16] [--history 512]
                               [--sizes 1,2,4,8,12,16,24,32,48,64] [--repeats 5] [--tiny]
+  python bench/verify_cost.py --heads DIR [DIR ...] --sizes 1,4,8,16   # ... and each heads' proposals
 
 A tree verification costs one forward over its nodes, so where this curve is flat a round can
 verify a tree of several branches for the price of a chain. The target runs in this process on
 the engine the services use (specdec.runtime.runner.ModelRunner, its K/V buffers), each size as
 a tree of that many nodes (two branches) after a --history-token session; sizes are interleaved
-over --repeats rounds and the median counts. Prints a table; writes verify_cost.json (and a PNG
-with matplotlib) under bench/results/.
+over --repeats rounds and the median counts. With --heads, after each forward every heads
+directory (trained for this target) proposes 4 candidates a head from one hidden state, as a
+Verify that asks for them does (TargetHeads.proposals: the heads, the output layer or their
+proposal vocabulary's rows, softmax, top-k, one host read): its time beside the forward's. Prints
+a table; writes verify_cost.json (and a PNG with matplotlib) under bench/results/.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def heads_of(target: str, dtype: str, directory: str):
+    """The heads in `directory` as a target service serves them (target_heads.TargetHeads), on
+    a copy of the target loaded with them (their rows packed as the service packs them)."""
+    from specdec.runtime.loader import load_model
+    from specdec.runtime.target_heads import TargetHeads
+
+    loaded = load_model(target, dtype, heads=directory)
+    return TargetHeads.of(loaded.heads, loaded.model.get_output_embeddings())
 
 
 def two_branches(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -44,6 +58,8 @@ def main() -> int:
     parser.add_argument("--history", type=int, default=512, help="tokens the session holds before the forward")
     parser.add_argument("--sizes", default="1,2,4,8,12,16,24,32,48,64")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--heads", nargs="+", default=[], help="heads directories for this target: time their "
+                                                                "proposals after each forward")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
 
@@ -65,7 +81,10 @@ def main() -> int:
     history = [(7 * i) % (vocab - 1) + 1 for i in range(args.history)]
     entry = runner.new_entry()
     runner.forward("", entry, history, 1)
+    heads = {directory: heads_of(target, args.dtype, directory) for directory in args.heads}
+    state = torch.randn(1, runner.model.config.hidden_size, dtype=runner.loaded.dtype)  # [1, hidden]
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    heads_times: dict[str, list[float]] = {directory: [] for directory in heads}
     for _ in range(args.repeats + 1):  # the first round warms up and is dropped
         for n in sizes:
             tokens, parents = two_branches(n)
@@ -74,19 +93,29 @@ def main() -> int:
             started = time.perf_counter()
             runner.forward_batch([row])
             times[n].append(time.perf_counter() - started)
+            for directory, served in heads.items():
+                started = time.perf_counter()
+                served.proposals(state, [4])
+                heads_times[directory].append(time.perf_counter() - started)
     medians = {n: statistics.median(t[1:]) for n, t in times.items()}
+    heads_medians = {d: statistics.median(t[len(sizes):]) for d, t in heads_times.items()}
     base = medians[sizes[0]]
     lines = [f"verification cost: {target} ({args.dtype}, {torch.get_num_threads()} threads), "
              f"after {args.history} tokens", f"{'nodes':>7} {'ms':>9} {'× 1 node':>10} {'ms/token':>9}"]
     for n in sizes:
         lines.append(f"{n:>7} {medians[n] * 1000:>9.1f} {medians[n] / base:>10.2f} {medians[n] * 1000 / (n + 1):>9.2f}")
+    for directory, seconds in heads_medians.items():
+        vocab = heads[directory].vocab_ids
+        lines.append(f"heads {directory} ({'all ids' if vocab is None else f'{vocab.numel()} ids'}): proposals "
+                     f"{seconds * 1000:.1f} ms, {seconds / base:.2f}× a 1-node verification")
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost.json").write_text(json.dumps(
         {"target_model": target, "dtype": args.dtype, "threads": torch.get_num_threads(), "history": args.history,
          "repeats": args.repeats, "seconds": {str(n): medians[n] for n in sizes},
-         "tries": {str(n): t[1:] for n, t in times.items()}}, indent=2))
+         "tries": {str(n): t[1:] for n, t in times.items()},
+         "heads_proposal_seconds": heads_medians}, indent=2))
     try:
         import matplotlib
 
