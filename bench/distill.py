@@ -6,6 +6,7 @@ Usage:
   python bench/distill.py --steps 40 --lora-rank 16 --dtype bfloat16   # the fetched real pair, a short run
   python bench/distill.py --loss both                              # kl and tv from the same start
   python bench/distill.py --distilled DIR --no-train --speedup     # a draft distilled before, through `specdec up`
+  python bench/distill.py --distilled DIR --no-train --alpha       # ... its α and the original's, all ten prompts
 
 The draft learns on the target's answers to TRAIN_PROMPTS below (tasks none of the bench prompts
 ask), sampled at temperature 1, --train-new-tokens each. α is measured on the bench prompts
@@ -122,6 +123,25 @@ def estimate(report: dict, full_prompts: int, new_tokens: int, epochs: float = 1
             "full_run_hours_total": round(sum(parts.values()) / 3600, 1)}
 
 
+def alphas(drafts: dict[str, str], target: str, held: Path, new_tokens: int, dtype: str, target_dtype: str,
+           device: str) -> dict:
+    """α of each draft (name -> checkpoint) on the target's greedy answers to the prompts in
+    `held` (`new_tokens` each), through specdec/distill/evaluate.py as a distill run measures it."""
+    from specdec.distill import data as sources
+    from specdec.distill.evaluate import alignment
+    from specdec.runtime.loader import eos_token_ids, load_model
+
+    loaded = load_model(target, target_dtype, device)
+    prompts = sources.read_prompts(held, loaded.tokenizer)
+    answers = sources.generate(loaded.model, prompts, new_tokens, 0.0, 0, eos_token_ids(loaded.model, loaded.tokenizer))
+    out = {}
+    for name, checkpoint in drafts.items():
+        out[name] = alignment(load_model(checkpoint, dtype, device).model, loaded.model, answers).to_json()
+        print(f"{name}: α greedy {out[name]['alpha']['greedy']:.4f}, sampled {out[name]['alpha']['sampled_t1']:.4f} "
+              f"on {out[name]['positions']} positions", flush=True)
+    return out
+
+
 def speedup(draft: str, target: str, prompts: list, new_tokens: int, port: int, dtype: str) -> dict:
     """Target-only and adaptive tokens/s per quick prompt through `specdec up` (torch engine)."""
     from bench.speedup import chat_ids, run_specdec
@@ -209,6 +229,8 @@ def main() -> int:
     parser.add_argument("--full-epochs", type=float, default=1.0, help="... trained on this many times")
     parser.add_argument("--distilled", default="", help="with --no-train: a draft distilled before (for --speedup)")
     parser.add_argument("--no-train", action="store_true")
+    parser.add_argument("--alpha", action="store_true", help="α of the original and the distilled draft on "
+                                                             "the held-out prompts, the target's answers shared")
     parser.add_argument("--speedup", action="store_true", help="serve the original and the distilled draft in turn")
     parser.add_argument("--speedup-new-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=50081)
@@ -246,6 +268,13 @@ def main() -> int:
               f"sampled {report['before']['alpha']['sampled_t1']:.4f} -> {report['after']['alpha']['sampled_t1']:.4f} "
               f"on {report['after']['positions']} held-out positions; {report['steps']} steps; "
               f"seconds {report['seconds']}; full run ≈ {report['estimate']['full_run_hours_total']} h", flush=True)
+    aligned = {}
+    if args.alpha:
+        distilled = args.distilled or (str(Path(args.out) / f"distilled-{next(iter(runs))}") if runs else "")
+        if not distilled:
+            raise SystemExit("bench/distill.py: --alpha needs a distilled draft (a run, or --distilled DIR)")
+        aligned = alphas({"original": draft, "distilled": distilled}, target, held, args.eval_new_tokens,
+                         args.dtype, args.target_dtype, args.device)
     served = {}
     if args.speedup:
         distilled = args.distilled or (str(Path(args.out) / f"distilled-{next(iter(runs))}") if runs else "")
@@ -258,14 +287,14 @@ def main() -> int:
             before, after = served["original"][prompt.name], served["distilled"][prompt.name]
             print(f"{prompt.name}: speed-up {before['speedup']:.2f}x -> {after['speedup']:.2f}x "
                   f"(acceptance {before['acceptance']} -> {after['acceptance']})")
-    document = {"draft": draft, "target": target, "args": vars(args), "runs": runs, "speedup": served,
+    document = {"draft": draft, "target": target, "args": vars(args), "runs": runs, "alpha": aligned, "speedup": served,
                 "wall_seconds": round(time.perf_counter() - started, 1), "threads": os.cpu_count()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "distill.json").write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     lines = [f"{loss}: {json.dumps({'before': r['before'], 'after': r['after'], 'steps': r['steps'], 'estimate': r['estimate']})}"
              for loss, r in runs.items()]
-    (out / "distill.txt").write_text("\n".join(lines + [json.dumps(served)]) + "\n")
+    (out / "distill.txt").write_text("\n".join(lines + [json.dumps(aligned), json.dumps(served)]) + "\n")
     print(f"wrote {out / 'distill.json'}, {out / 'distill.txt'}")
     return 0
 
