@@ -123,6 +123,14 @@ def estimate(report: dict, full_prompts: int, new_tokens: int, epochs: float = 1
             "full_run_hours_total": round(sum(parts.values()) / 3600, 1)}
 
 
+def distilled_draft(args: argparse.Namespace, runs: dict, flag: str) -> str:
+    """The distilled draft `flag` compares with the original: --distilled, else this run's first."""
+    distilled = args.distilled or (str(Path(args.out) / f"distilled-{next(iter(runs))}") if runs else "")
+    if not distilled:
+        raise SystemExit(f"bench/distill.py: {flag} needs a distilled draft (a run, or --distilled DIR)")
+    return distilled
+
+
 def alphas(drafts: dict[str, str], target: str, held: Path, new_tokens: int, dtype: str, target_dtype: str,
            device: str) -> dict:
     """α of each draft (name -> checkpoint) on the target's greedy answers to the prompts in
@@ -270,16 +278,11 @@ def main() -> int:
               f"seconds {report['seconds']}; full run ≈ {report['estimate']['full_run_hours_total']} h", flush=True)
     aligned = {}
     if args.alpha:
-        distilled = args.distilled or (str(Path(args.out) / f"distilled-{next(iter(runs))}") if runs else "")
-        if not distilled:
-            raise SystemExit("bench/distill.py: --alpha needs a distilled draft (a run, or --distilled DIR)")
-        aligned = alphas({"original": draft, "distilled": distilled}, target, held, args.eval_new_tokens,
-                         args.dtype, args.target_dtype, args.device)
+        aligned = alphas({"original": draft, "distilled": distilled_draft(args, runs, "--alpha")}, target, held,
+                         args.eval_new_tokens, args.dtype, args.target_dtype, args.device)
     served = {}
     if args.speedup:
-        distilled = args.distilled or (str(Path(args.out) / f"distilled-{next(iter(runs))}") if runs else "")
-        if not distilled:
-            raise SystemExit("bench/distill.py: --speedup needs a distilled draft (a run, or --distilled DIR)")
+        distilled = distilled_draft(args, runs, "--speedup")
         prompts = list(QUICK)
         for name, model in (("original", draft), ("distilled", distilled)):
             served[name] = speedup(model, target, prompts, args.speedup_new_tokens, args.port, args.dtype)

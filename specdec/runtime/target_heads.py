@@ -82,7 +82,6 @@ class TargetHeads:
     #                                                      target's, or its rows for the proposal vocabulary
     meta: HeadsMeta  # heads.json
     heads_id: str  # a digest of their weights file (ModelInfo.heads_id)
-    vocab_ids: torch.Tensor | None = None  # [n] the ids output_layer's logits are for (None: all)
 
     @classmethod
     def of(cls, loaded: LoadedHeads | None, output_layer: Callable[[torch.Tensor], torch.Tensor]
@@ -91,9 +90,13 @@ class TargetHeads:
         engine's, which heads with a proposal vocabulary leave for their own rows of it."""
         if loaded is None:
             return None
-        if loaded.vocab is None:
-            return cls(loaded.heads, output_layer, loaded.meta, loaded.heads_id)
-        return cls(loaded.heads, loaded.vocab, loaded.meta, loaded.heads_id, loaded.vocab.ids)
+        layer = output_layer if loaded.vocab is None else loaded.vocab
+        return cls(loaded.heads, layer, loaded.meta, loaded.heads_id)
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """[n] the ids output_layer's logits are for (None: the whole vocabulary)."""
+        return self.output_layer.ids if isinstance(self.output_layer, ProposalVocab) else None
 
     @property
     def num_heads(self) -> int:
