@@ -11,25 +11,26 @@ import time
 
 import pytest
 
-from bench import overhead
+from bench import overhead_links
+from bench.overhead_timing import Intervals
 from tests.echo_server import echo_server
 
 
 @pytest.mark.unit
 def test_link_delays_keep_their_order_and_refuse_what_is_no_delay():
-    assert overhead.parse_delays("0,0.2,0.5,1,2") == [0.0, 0.2, 0.5, 1.0, 2.0]
-    assert overhead.parse_delays("1,0,1") == [1.0, 0.0]
+    assert overhead_links.parse_delays("0,0.2,0.5,1,2") == [0.0, 0.2, 0.5, 1.0, 2.0]
+    assert overhead_links.parse_delays("1,0,1") == [1.0, 0.0]
     for bad in ("-1", "nan", "inf", "x", "0,,1"):
         with pytest.raises(ValueError):
-            overhead.parse_delays(bad)
+            overhead_links.parse_delays(bad)
 
 
 @pytest.mark.unit
 def test_the_jitter_is_a_tenth_of_the_delay_unless_given():
     default, given = argparse.Namespace(link_jitter_ms=None), argparse.Namespace(link_jitter_ms=0.05)
-    assert overhead.jitter_of(default, 2.0) == pytest.approx(0.2)
-    assert overhead.jitter_of(default, 0.0) == 0.0 and overhead.jitter_of(given, 0.0) == 0.0  # loopback
-    assert overhead.jitter_of(given, 2.0) == 0.05
+    assert overhead_links.jitter_of(default, 2.0) == pytest.approx(0.2)
+    assert overhead_links.jitter_of(default, 0.0) == 0.0 and overhead_links.jitter_of(given, 0.0) == 0.0  # loopback
+    assert overhead_links.jitter_of(given, 2.0) == 0.05
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def _round_trip(sock: socket.socket) -> float:
 
 @pytest.mark.process
 def test_the_proxy_process_delays_both_ways_and_takes_a_new_delay(echo):
-    proxy = overhead.LinkProcess(f"127.0.0.1:{echo}", 10.0, 0.0)
+    proxy = overhead_links.LinkProcess(f"127.0.0.1:{echo}", 10.0, 0.0)
     try:
         host, port = proxy.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
@@ -86,11 +87,11 @@ def test_the_sweep_compares_drafting_ahead_on_with_off_at_each_delay(tmp_path, c
                                          "cpu": {"coordinator": 0.002, "proxy_draft": None}},
     }
     # in each round of off, the draft works 4 ms and the target 4 ms, 2 ms of them at once: 6 ms
-    work = overhead.Intervals([(start + a, start + b) for stamps in cells[0.0, "on", "stream", 2, "off"]["stamps"]
-                               for start in stamps[:-1] for a, b in ((0, 0.004), (0.002, 0.006))]).merged()
+    work = Intervals([(start + a, start + b) for stamps in cells[0.0, "on", "stream", 2, "off"]["stamps"]
+                      for start in stamps[:-1] for a, b in ((0, 0.004), (0.002, 0.006))]).merged()
     args = argparse.Namespace(link_jitter_ms=None, link_repeats=2, max_new_tokens=8, pair="near")
     sweep = {"cells": cells, "bare": {0.0: {"p50": 1.0, "p99": 2.0}}, "requests_per_repeat": 1}
-    link = overhead.link_results(args, [0.0], sweep, tmp_path, work, overhead.Intervals(), overhead.Intervals())
+    link = overhead_links.link_results(args, [0.0], sweep, tmp_path, work, Intervals(), Intervals())
 
     off, on = link["rows"]["delay_0_on_stream_gamma_2_ahead_off"], link["rows"]["delay_0_on_stream_gamma_2_ahead_on"]
     assert off["rounds"] == 4 and off["wall_p50"] == pytest.approx(10.0)
@@ -104,7 +105,7 @@ def test_the_sweep_compares_drafting_ahead_on_with_off_at_each_delay(tmp_path, c
     assert (ahead["draft_ahead_calls"], ahead["draft_ahead_rounds"], ahead["draft_rounds"]) == (4, 3, 6)
     assert ahead["draft_ahead_calls_off"] == 0
 
-    overhead.report_link(args, link)
+    overhead_links.report_link(args, link)
     table = capsys.readouterr().out
     line = next(line for line in table.splitlines() if "[2.00, 4.00]" in line)
     assert line.split()[:4] == ["0", "on", "stream", "2"] and "2.667" in line.split()
