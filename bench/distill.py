@@ -94,7 +94,7 @@ def tiny_setup(folder: Path, seed: int) -> dict:
         files[name] = folder / f"{name}.txt"
         files[name].write_text("".join(" ".join(f"w{rng.randint(1, 11)}" for _ in range(rng.randint(2, 6))) + "\n"
                                        for _ in range(count)))
-    return {"draft": str(draft), "target": str(target), "prompts": str(files["train"]),
+    return {"draft": str(draft), "target": str(target), "prompts": (str(files["train"]),),
             "eval_prompts": str(files["held-out"]), "steps": 150, "lr": 2e-2, "batch_size": 8, "seq_len": 64,
             "max_new_tokens": 24, "eval_new_tokens": 24, "target_dtype": "float32", "dtype": "float32"}
 
@@ -261,7 +261,7 @@ def main() -> int:
             raise SystemExit(f"bench/distill.py: {exc} (or give --draft-model/--target-model, or --tiny)")
         draft, target = str(pair["draft"]), str(pair["target"])
     train, held = write_prompts(work, args.quick, args.train_prompts)
-    base = DistillConfig(target=target, draft=draft, out="", prompts=str(train), eval_prompts=str(held),
+    base = DistillConfig(target=target, draft=draft, out="", prompts=(str(train),), eval_prompts=str(held),
                          steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                          lora_rank=args.lora_rank, top_k=args.top_k, dtype=args.dtype,
                          target_dtype=args.target_dtype, device=args.device, max_new_tokens=args.train_new_tokens,

@@ -54,7 +54,7 @@ def tiny_setup(folder: Path, seed: int, answer_temperature: float) -> dict:
         files[name] = folder / f"{name}-{seed}.txt"
         files[name].write_text("".join(" ".join(f"w{rng.randint(1, 11)}" for _ in range(rng.randint(2, 6))) + "\n"
                                        for _ in range(count)))
-    return {"target": str(target), "draft": "", "prompts": str(files["train"]),
+    return {"target": str(target), "draft": "", "prompts": (str(files["train"]),),
             "eval_prompts": str(files["held-out"]), "steps": 600, "lr": 1e-2, "batch_size": 256, "seq_len": 64,
             "max_new_tokens": 32, "eval_new_tokens": 32, "generate_temperature": answer_temperature,
             "target_dtype": "float32", "heads": 3}

@@ -29,9 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--records-stream", default="", help="the Redis stream of the records (--record-stream) at "
                                                         "the URL --records gives")
     p.add_argument("--text", nargs="+", default=[], help="text files to learn on, each one sequence")
-    p.add_argument("--prompts", default="", help="prompts the target answers, the draft learns on the answers: "
-                                                 "JSON lines ({\"prompt\": ...} or {\"messages\": [...]}) or "
-                                                 "one prompt per line")
+    p.add_argument("--prompts", nargs="+", default=[], help="prompts files the target answers, the draft learns "
+                                                            "on the answers: JSON lines ({\"prompt\": ...} or "
+                                                            "{\"messages\": [...]}) or one prompt per line")
     p.add_argument("--eval-prompts", default="", help="held-out prompts (same format) the target answers "
                                                       "greedily; α is measured on the answers (default: "
                                                       "--held-out of the data)")
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("specdec distill: --loss ce is for --heads (a draft learns the target's distributions)")
     config = DistillConfig(
         target=args.target, draft=args.draft, out=args.out, records=args.records,
-        records_stream=args.records_stream, text=tuple(args.text), prompts=args.prompts,
+        records_stream=args.records_stream, text=tuple(args.text), prompts=tuple(args.prompts),
         eval_prompts=args.eval_prompts, held_out=args.held_out, loss=args.loss, top_k=args.top_k,
         temperature=args.temperature, steps=args.steps, batch_size=args.batch_size or (256 if heads else 8),
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,

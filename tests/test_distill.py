@@ -51,7 +51,7 @@ def pair(tmp_path_factory):
 
 
 def _small(pair, out: Path, **overrides) -> DistillConfig:
-    settings = dict(target=pair["target"], draft=pair["draft"], out=str(out), prompts=pair["train"],
+    settings = dict(target=pair["target"], draft=pair["draft"], out=str(out), prompts=(pair["train"],),
                     eval_prompts=pair["eval"], steps=150, lr=2e-2, batch_size=8, seq_len=64, max_new_tokens=24,
                     eval_new_tokens=24, progress=False)
     return DistillConfig(**{**settings, **overrides})
@@ -196,7 +196,7 @@ def counting(pair):
 
 
 def _heads(counting, out: Path, **overrides) -> DistillConfig:
-    settings = dict(target=counting["target"], draft="", out=str(out), prompts=counting["train"],
+    settings = dict(target=counting["target"], draft="", out=str(out), prompts=(counting["train"],),
                     eval_prompts=counting["eval"], generate_temperature=0.0, heads=2, steps=60, lr=1e-2,
                     batch_size=128, seq_len=64, max_new_tokens=16, eval_new_tokens=16, progress=False)
     return DistillConfig(**{**settings, **overrides})
@@ -278,6 +278,25 @@ def test_an_interrupted_heads_run_resumes_where_it_stopped(counting, tmp_path, m
 def test_the_cli_says_what_a_distill_run_lacks(argv, message, capsys):
     with pytest.raises(SystemExit, match=message):
         main(["distill", "--target", "T", "--out", "O", *argv])
+
+
+@pytest.mark.unit
+def test_several_prompts_files_are_read_in_the_order_given(tmp_path):
+    """`--prompts A B`: every prompt of A, then every prompt of B (JSON lines and plain lines
+    alike); a file without a prompt is refused by name."""
+    from specdec.distill.data import read_prompt_files
+
+    tokenizer = tiny.word_tokenizer(12)
+    first, second, empty = tmp_path / "a.jsonl", tmp_path / "b.txt", tmp_path / "empty.txt"
+    first.write_text(json.dumps({"prompt": "w1 w2"}) + "\n\n" + json.dumps({"prompt": "w3"}) + "\n")
+    second.write_text("w4 w5 w6\n")
+    empty.write_text("\n")
+    one = [read_prompt_files([path], tokenizer) for path in (first, second)]
+    assert [len(prompts) for prompts in one] == [2, 1]
+    assert read_prompt_files([first, second], tokenizer) == one[0] + one[1]
+    assert read_prompt_files([second, first], tokenizer) == one[1] + one[0]
+    with pytest.raises(ValueError, match="empty.txt holds no prompt"):
+        read_prompt_files([first, empty], tokenizer)
 
 
 @pytest.mark.unit

@@ -34,6 +34,13 @@ class Scored:
         return len(self.tokens) - self.start + 1
 
 
+def read_prompt_files(paths: Sequence[str | Path], tokenizer: Any) -> list[list[int]]:
+    """The prompts of every file, the files in the order given (see read_prompts)."""
+    if isinstance(paths, (str, Path)):
+        raise TypeError(f"expected a sequence of prompts files, got the one path {str(paths)!r}")
+    return [prompt for path in paths for prompt in read_prompts(path, tokenizer)]
+
+
 def read_prompts(path: str | Path, tokenizer: Any) -> list[list[int]]:
     """The prompts of a prompts file (see the module docstring) as token ids."""
     prompts = []

@@ -41,7 +41,7 @@ class DistillConfig:
     records: str = ""                 # a coordinator's records: a directory or file, or a Redis URL
     records_stream: str = ""          # with `records` a Redis URL: the stream's key
     text: tuple[str, ...] = ()        # text files, each one sequence
-    prompts: str = ""                 # a prompts file the target answers
+    prompts: tuple[str, ...] = ()     # prompts files the target answers, read in this order
     eval_prompts: str = ""            # held-out prompts the target answers (else part of the data)
     held_out: float = 0.1             # the fraction of the sequences held out when no eval_prompts
     loss: str = Loss.KL               # kl or tv
@@ -148,7 +148,7 @@ def read_sequences(config: DistillConfig, target: Any, tokenizer: Any, eos: tupl
         text = sources.read_text(config.text, tokenizer)
         summary["text_sequences"] = len(text)
         train += text
-    prompts = sources.read_prompts(config.prompts, tokenizer) if config.prompts else []
+    prompts = sources.read_prompt_files(config.prompts, tokenizer)
     if not (train or prompts):
         raise ValueError("nothing to learn from: give --records, --text or --prompts")
     started = time.perf_counter()
