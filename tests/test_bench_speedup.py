@@ -52,11 +52,20 @@ def test_policy_sim_writes_its_figures(tmp_path, monkeypatch, capsys):
     """bench/policy_sim.py runs the real policy on simulated sessions (no model)."""
     from bench import policy_sim
 
-    monkeypatch.setattr("sys.argv", ["policy_sim.py", "--seeds", "2", "--rounds", "12", "--out", str(tmp_path)])
+    monkeypatch.setattr("sys.argv", ["policy_sim.py", "--seeds", "2", "--rounds", "12", "--useless-sessions", "3",
+                                     "--useless-tokens", "48", "--out", str(tmp_path)])
     assert policy_sim.main() == 0
     data = json.loads((tmp_path / "policy_sim.json").read_text())
     for model in ("flat", "slope"):
         for kind in ("copy", "new"):
             row = data["results"][model][kind]
             assert row["tokens_per_cost"] > 0 and 0 <= row["lookup_rounds"] <= 12
-    assert "tokens/cost" in capsys.readouterr().out
+    useless = data["useless_draft"]
+    assert len(useless) == 9
+    for row in useless:
+        if row["draft_alpha"] == 0:  # a draft never accepted: plain decoding is the best there is
+            assert row["first_tokens_per_cost"] <= 1.0 and row["later_tokens_per_cost"] <= 1.0
+            # later sessions start from what the first learnt and share its probe clock
+            assert row["later_draft_rounds"] < row["first_draft_rounds"]
+    out = capsys.readouterr().out
+    assert "tokens/cost" in out and "later sessions" in out
