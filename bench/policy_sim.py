@@ -65,15 +65,24 @@ def run_session(spec: Speculation, name: str, lookup_alpha, draft_alpha: float, 
         choice = request.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
         request._order = order if choice.source == Proposer.PROMPT_LOOKUP else 0
         alpha = lookup_alpha(order) if choice.source == Proposer.PROMPT_LOOKUP else draft_alpha
-        accepted = 0
-        while accepted < choice.gamma and rng.random() < alpha:
-            accepted += 1
         lookups += choice.source == Proposer.PROMPT_LOOKUP
-        tokens += accepted + 1
-        cost += 1.0 if choice.gamma == 0 else spec.costs.relative_cost(choice.source, choice.gamma)
-        request.observe(choice.source, choice.gamma, accepted, propose_seconds=None, verify_seconds=None,
-                        verified_tokens=choice.gamma + 1)
+        committed, spent = play_round(spec, request, choice, alpha, rng)
+        tokens += committed
+        cost += spent
     return tokens / cost, lookups
+
+
+def play_round(spec: Speculation, request, choice, alpha: float, rng: random.Random) -> tuple[int, float]:
+    """One chosen round: each proposed token accepted with probability α until the first
+    rejection, the outcome fed to the request's policy -> (tokens committed, cost in
+    plain-decode steps)."""
+    accepted = 0
+    while accepted < choice.gamma and rng.random() < alpha:
+        accepted += 1
+    cost = 1.0 if choice.gamma == 0 else spec.costs.relative_cost(choice.source, choice.gamma)
+    request.observe(choice.source, choice.gamma, accepted, propose_seconds=None, verify_seconds=None,
+                    verified_tokens=choice.gamma + 1)
+    return accepted + 1, cost
 
 
 def draft_only_session(spec: Speculation, name: str, alpha: float, tokens_wanted: int,
@@ -85,14 +94,10 @@ def draft_only_session(spec: Speculation, name: str, alpha: float, tokens_wanted
     drafted = 0
     while tokens < tokens_wanted:
         choice = request.policy.choose(max_gamma=8, lookup_available=0, lookup_order=0)
-        accepted = 0
-        while accepted < choice.gamma and rng.random() < alpha:
-            accepted += 1
-        tokens += accepted + 1
-        cost += 1.0 if choice.gamma == 0 else spec.costs.relative_cost(choice.source, choice.gamma)
+        committed, spent = play_round(spec, request, choice, alpha, rng)
+        tokens += committed
+        cost += spent
         drafted += choice.gamma > 0
-        request.observe(choice.source, choice.gamma, accepted, propose_seconds=None, verify_seconds=None,
-                        verified_tokens=choice.gamma + 1)
     return tokens / cost, drafted
 
 
