@@ -1,4 +1,4 @@
-"""The batched, on-device acceptance step (specdec/runtime/batched_acceptance.py) against the
+"""The batched, on-device acceptance step (specdec/maths/batched_acceptance.py) against the
 rule it implements: greedy decisions equal the scalar step's, sampled output follows p
 (chi-square over many rows decided in one call, chains of different γ padded together), the
 residual is drawn at a rejection, and a row's draws are its own generator's alone."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.maths.acceptance import accept_greedy
-from specdec.runtime.batched_acceptance import ChainBatch, decide, inverse_cdf, row_uniforms
+from specdec.maths.batched_acceptance import ChainBatch, decide, inverse_cdf, row_uniforms
 from specdec.runtime.generators import make_generator
 from tests.test_sampling import chi2_pvalue
 

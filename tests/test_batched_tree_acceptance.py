@@ -1,4 +1,4 @@
-"""The batched, on-device acceptance step over token trees (specdec/runtime/batched_tree_acceptance.py)
+"""The batched, on-device acceptance step over token trees (specdec/maths/batched_tree_acceptance.py)
 against the rule it implements: greedy walks equal accept_tree_greedy's on many random trees;
 sampled output follows p (one pooled chi-square over the first token and the 2-token path,
 one-hot and non-one-hot q, trees whose children are all rejected); and through the graph
@@ -16,9 +16,9 @@ from specdec.config import TargetConfig
 from specdec.maths.draft_q import DraftQ
 from specdec.maths.tree import TokenTree
 from specdec.maths.tree_acceptance import accept_tree_greedy
-from specdec.runtime.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
-from specdec.runtime.device_verification import DeviceVerifier
-from specdec.runtime.engines import runner_from_config
+from specdec.maths.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
+from specdec.runtime.graph.device_verification import DeviceVerifier
+from specdec.runtime.engines import engine_from_config
 from specdec.runtime.verification import Verifier
 from specdec.types import SamplingParams, SparseDist
 from tests.test_sampling import chi2_pvalue
@@ -132,7 +132,7 @@ def test_sampled_walks_follow_p_over_the_first_two_tokens(proposal):
 @pytest.fixture(scope="module")
 def target(small_vocab_models):
     """The 12-token target on the graph engine, float64."""
-    return runner_from_config(TargetConfig(model=small_vocab_models["target"], backend="graph", dtype="float64",
+    return engine_from_config(TargetConfig(model=small_vocab_models["target"], backend="graph", dtype="float64",
                                            kv_cache_bytes=8 << 20))
 
 
@@ -180,10 +180,10 @@ def verify(verifier, rows, prefix="s"):
                            params, seed, top_logprobs=2, draft_parents=parents)
              for i, (drafts, parents, params, seed) in rows]
     verdicts = verifier.verify_batch(calls)
-    kept = [list(verifier.runner.caches.get(call.session_id).tokens) for call in calls]
+    kept = [list(verifier.engine.caches.get(call.session_id).tokens) for call in calls]
     for call in calls:
-        verifier.runner.release(call.session_id)
-    verifier.runner.finish(())
+        verifier.engine.release(call.session_id)
+    verifier.engine.finish(())
     return list(zip(verdicts, kept))
 
 
@@ -208,7 +208,7 @@ def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host
 
 @pytest.mark.service
 def test_a_tree_too_wide_for_the_device_step_is_decided_on_the_host(target, monkeypatch):
-    import specdec.runtime.batched_tree_acceptance as module
+    import specdec.maths.batched_tree_acceptance as module
 
     monkeypatch.setattr(module, "MAX_POINTS", 4)  # 3 children × (one-hot q + 1) = 6 points: too many
     rows = rows_of(target)

@@ -285,8 +285,8 @@ def test_only_session_calls_records_what_a_replica_holds():
 
 # what the model services may use of the runtime: the engine contract and the plumbing that
 # runs calls on it (the per-round work is the engine's: specdec/runtime/engine.py)
-SERVICE_RUNTIME = {"specdec.runtime.engine", "specdec.runtime.engines", "specdec.runtime.calls",
-                   "specdec.runtime.scheduler", "specdec.runtime.worker"}
+SERVICE_RUNTIME = {"specdec.runtime.engine", "specdec.runtime.engines", "specdec.runtime.serving.calls",
+                   "specdec.runtime.serving.scheduler", "specdec.runtime.serving.worker"}
 
 
 def test_the_model_services_call_only_the_engine_contract():
