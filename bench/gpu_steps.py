@@ -137,7 +137,7 @@ def graph_engine(path: str, dtype: str, device: str, tokens: int) -> EngineSessi
     per_token = 2 * loaded.model.config.num_hidden_layers * loaded.model.config.num_key_value_heads * \
         (loaded.model.config.hidden_size // loaded.model.config.num_attention_heads) * loaded.dtype.itemsize
     engine = GraphEngine(loaded, 2, (blocks + 2) * DEFAULT_BLOCK_SIZE * per_token, 64,
-                                block_size=DEFAULT_BLOCK_SIZE, buckets=buckets)
+                         block_size=DEFAULT_BLOCK_SIZE, buckets=buckets)
     start = time.perf_counter()
     graphs = engine.capture()
     return EngineSession(Engine.GRAPH, engine, {

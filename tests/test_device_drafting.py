@@ -201,7 +201,7 @@ def test_a_tree_the_pool_cannot_hold_fails_alone_and_keeps_the_history(draft, sm
     engine, _ = draft
     block = engine.kv_spec.bytes_per_block
     engine = GraphEngine(load_model(small_vocab_models["draft"], "float64"), 8, 3 * block, 16,
-                                block_size=16)  # 3 blocks: the null block and 32 tokens for sessions
+                         block_size=16)  # 3 blocks: the null block and 32 tokens for sessions
     drafting = engine.drafting(K)
     prompt = (PROMPT * 5)[:26]
     deep = drafting.call("s", 0, 0, prompt, 3, SamplingParams(temperature=0.0), 1, tree_nodes=6)  # 26 + 8 > 32

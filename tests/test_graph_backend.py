@@ -119,7 +119,7 @@ def test_rollback_and_a_kept_tree_path_continue_as_the_hf_model(models):
 def test_a_full_pool_evicts_least_recently_used_sessions_before_refusing(models):
     block = graph_engine(models["llama"]["target"]).kv_spec.bytes_per_block
     engine = GraphEngine(load_model(models["llama"]["target"], "float64"), 8, 10 * block, 16,
-                                block_size=16)  # 10 blocks, the null block and 9 for sessions
+                         block_size=16)  # 10 blocks, the null block and 9 for sessions
     assert engine.kv.capacity_tokens == 9 * 16
     for name in "abc":  # 3 blocks each: the pool is full
         entry, feed = engine.begin(name, 0, 0, list(range(1, 41)))

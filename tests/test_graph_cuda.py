@@ -46,7 +46,7 @@ def cuda_runner(dtype=torch.float32, buckets=None):
     hf = hf_model("qwen2", dtype)
     model = GraphModel.from_hf(hf.to("cuda"))
     runner = CudaGraphRunner(model, PagedKV(model.pool_spec(16), 256),
-                         buckets or Buckets(rows=(1, 2, 4), tokens=(1, 4, 16), blocks=(4, 32), window=16))
+                             buckets or Buckets(rows=(1, 2, 4), tokens=(1, 4, 16), blocks=(4, 32), window=16))
     return hf, runner
 
 

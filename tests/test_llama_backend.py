@@ -49,7 +49,7 @@ def gguf_pair(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(gguf_pair):
     engine = LlamaCppEngine(gguf_pair["target"], 8, 1 << 30, 16, 512,
-                         LlamaOptions(kv_cache_type="f32", kv_cache_tokens=1024))
+                            LlamaOptions(kv_cache_type="f32", kv_cache_tokens=1024))
     yield engine
     engine.close()
 
@@ -161,7 +161,7 @@ def test_a_tree_forward_scores_each_node_as_its_path_alone(engine):
 @pytest.mark.unit
 def test_released_and_evicted_sequences_are_reused(gguf_pair):
     engine = LlamaCppEngine(gguf_pair["target"], 3, 1 << 30, 16, 512,
-                         LlamaOptions(kv_cache_type="f32", kv_cache_tokens=256))
+                            LlamaOptions(kv_cache_type="f32", kv_cache_tokens=256))
     try:
         free = len(engine.free)
         ids = list(range(1, 41))

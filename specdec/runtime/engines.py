@@ -1,4 +1,6 @@
-"""Which engine runs a model service's model (--backend), and building its engine."""
+"""The factory, above the engines: which engine runs a model service's model (--backend), and
+building it (`engine_from_config`). The only runtime module that imports the engines' rooms;
+the services build their engine here and call it through the contract (engine.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import importlib.util
 import json
 import logging
 
-from specdec.runtime.session_kv import SessionKV
+from specdec.runtime.engine import ModelEngine
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend, Quantization
 
@@ -69,7 +71,7 @@ def check_memory_fraction(fraction: float, backend: Backend, device: str) -> Non
                              f"this service runs --backend {backend} on {device}: give --kv-cache-bytes instead")
 
 
-def engine_from_config(config) -> SessionKV:
+def engine_from_config(config) -> ModelEngine:
     """Load the model of a ModelServiceConfig on its engine, with its cache bounds; its
     description names the checkpoint's files (specdec/checkpoint.py)."""
     from specdec.checkpoint import checkpoint_id
@@ -79,8 +81,8 @@ def engine_from_config(config) -> SessionKV:
     return engine
 
 
-def _load_engine(config) -> SessionKV:
-    """The engine of a ModelServiceConfig's model on its engine."""
+def _load_engine(config) -> ModelEngine:
+    """The engine of a ModelServiceConfig's model on its backend."""
     backend = resolve_backend(config.backend, config.model, device=config.device,
                               quantize=getattr(config, "quantize", Quantization.NONE))
     check_memory_fraction(config.kv_cache_memory_fraction, backend, config.device)
@@ -99,7 +101,7 @@ def _load_engine(config) -> SessionKV:
             log.warning("%s: no K/V store on the llama.cpp backend (its K/V pool is not cut into "
                         "chunks); --kv-store is ignored", config.model)
         return LlamaCppEngine(config.model, config.max_sessions, config.kv_cache_bytes,
-                           config.max_speculative_tokens, config.prefill_chunk, options)
+                              config.max_speculative_tokens, config.prefill_chunk, options)
     import torch
 
     from specdec.runtime.kv_cache import SessionCaches
@@ -118,8 +120,8 @@ def _load_engine(config) -> SessionKV:
     return engine
 
 
-def graph_engine(config) -> SessionKV:
-    """The graph engine's engine: plain (unquantized, unpacked) weights; its CUDA graphs
+def graph_engine(config) -> ModelEngine:
+    """The graph engine: plain (unquantized, unpacked) weights; its CUDA graphs
     captured by its warm-up, before the service starts serving."""
     from specdec.runtime.graph.engine import graph_engine_from_config
     from specdec.runtime.kv_tier import tensors_digest

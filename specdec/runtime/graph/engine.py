@@ -339,5 +339,5 @@ def graph_engine_from_config(config: Any, loaded: LoadedModel) -> GraphEngine:
     rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
     memory = config.kv_cache_memory_fraction or config.kv_cache_bytes  # a fraction of free memory, or bytes
     engine = GraphEngine(loaded, config.max_sessions, memory, config.max_speculative_tokens,
-                                config.prefill_chunk, buckets=Buckets(rows=rows))
+                         config.prefill_chunk, buckets=Buckets(rows=rows))
     return engine

@@ -1,8 +1,8 @@
 """Running one Propose / Verify call on the model worker, long inputs in chunks.
 
 The call's final step goes through the batch scheduler, which runs it together with other
-sessions' final steps in one forward. A call whose new tokens exceed the engine's prefill chunk is split into prefill steps, each a
-separate task on the worker, so other sessions' rounds run in between. A step whose caller's
+sessions' final steps in one forward. A call whose new tokens exceed the engine's prefill chunk
+is split into prefill steps, each a separate task on the worker, so other sessions' rounds run in between. A step whose caller's
 deadline has passed is never started; the steps already done stay in the cache, and a resend
 (prefix_len 0 with the full history) picks up where they ended instead of starting again.
 """
@@ -15,7 +15,7 @@ from array import array
 from typing import Any, Protocol, Sequence, TypeVar
 
 from specdec.errors import CacheMiss
-from specdec.runtime.torch.engine import TorchEngine
+from specdec.runtime.engine import ModelEngine
 from specdec.runtime.serving.scheduler import BatchScheduler
 
 R = TypeVar("R")
@@ -39,7 +39,7 @@ def deadline_of(context: Any) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-async def run_call(scheduler: BatchScheduler, engine: TorchEngine, call: C, deadline: float | None) -> R:
+async def run_call(scheduler: BatchScheduler, engine: ModelEngine, call: C, deadline: float | None) -> R:
     """Prefill the call's input in chunks when it is long, then run its final step in a batch.
 
     The session can be evicted between the last chunk and the final step (other sessions' calls
