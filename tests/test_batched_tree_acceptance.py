@@ -1,6 +1,7 @@
 """The batched, on-device acceptance step over token trees (specdec/maths/batched_tree_acceptance.py)
-against the rule it implements: greedy walks equal accept_tree_greedy's on many random trees;
-sampled output follows p (one pooled chi-square over the first token and the 2-token path,
+against the reference it implements (specdec/maths/tree_acceptance.py): greedy walks equal
+accept_tree_greedy's on many random trees, and sampled walks accept_tree_sampled's, row by row,
+given the same uniforms (random trees, p, sparse q and seeds); sampled output follows p (one pooled chi-square over the first token and the 2-token path,
 one-hot and non-one-hot q, trees whose children are all rejected); and through the graph
 engine's DeviceVerifier, a batch of trees and chains with different seeds gives each row what
 it gets alone, greedy rows what the host verifier gives."""
@@ -15,12 +16,16 @@ import torch
 from specdec.config import TargetConfig
 from specdec.maths.draft_q import DraftQ
 from specdec.maths.tree import TokenTree
-from specdec.maths.tree_acceptance import accept_tree_greedy
+from specdec.maths import tree_acceptance
+from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
+from specdec.maths.batched_acceptance import row_uniforms
 from specdec.maths.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
 from specdec.runtime.graph.device_verification import DeviceVerifier
 from specdec.runtime.engines import engine_from_config
+from specdec.runtime.generators import make_generator
 from specdec.runtime.verification import Verifier
 from specdec.types import SamplingParams, SparseDist
+from tests.test_batched_acceptance import GivenUniforms
 from tests.test_sampling import chi2_pvalue
 
 VOCAB = 12
@@ -72,6 +77,69 @@ def test_greedy_walks_equal_accept_tree_greedy_on_random_trees():
         assert decided[r] == (want.path, want.next_token, want.is_bonus, want.tested), (r, tree)
         depths.append(len(want.path))
     assert max(depths) >= 4 and min(depths) == 0 and any(len(u) > 4 for t in trees for u in t.children())
+
+
+def walk_order(tree: TokenTree, path: list[int], tested: int) -> list[int]:
+    """The nodes a walk that accepted `path` tested, in the order it tested them: at each node
+    its children up to the accepted one, below the last every child (all rejected)."""
+    children, order, row = tree.children(), [], 0
+    for node in path:
+        under = children[row]
+        order += under[:under.index(node) + 1]
+        row = node + 1
+    order += children[row]
+    assert len(order) == tested
+    return order
+
+
+@pytest.mark.unit
+def test_sampled_walks_decide_as_the_reference_with_the_same_uniforms(monkeypatch):
+    """Random trees (some wider than TREE_WIDTH), p, sparse q of random widths and seeds, in one
+    batch: each row decides what accept_tree_sampled decides when its walk draws the uniforms the
+    batched form gives the nodes it tests (node i's test uniform i, the draw uniform n). The
+    nodes it does not test keep their own uniforms, which must change nothing."""
+    rng, g = random.Random(7), torch.Generator().manual_seed(8)
+    trees = [random_tree(rng, rng.randint(1, 10)) for _ in range(300)]
+    nodes = max(len(tree) for tree in trees)
+    p = torch.softmax(torch.randn(len(trees), nodes + 1, VOCAB, generator=g) * 1.5, -1)  # [R, N+1, V]
+    qs = []
+    for tree in trees:  # per node a q over a random subset of ids that holds its token
+        rows = []
+        for token in tree.tokens:
+            ids = sorted({token, *rng.sample(range(VOCAB), rng.randint(0, VOCAB - 1))})
+            probs = torch.softmax(torch.randn(len(ids), generator=g), -1).tolist()
+            rows.append(SparseDist(tuple(ids), tuple(probs)))
+        qs.append(DraftQ.from_sparse(rows, list(tree.tokens), VOCAB))
+    uniforms = row_uniforms([make_generator(2000 + r) for r in range(len(trees))], [len(t) + 1 for t in trees],
+                            torch.device("cpu"))  # [R, N+1]
+    decided = decide_trees(TreeBatch(p, tree_layout(trees, qs), torch.zeros(len(trees), dtype=torch.bool),
+                                     uniforms, True)).to_host()
+    outcomes = set()
+    for r, tree in enumerate(trees):
+        walk = GivenUniforms(torch.rand(len(tree) + 1, generator=g).tolist())  # in the order drawn
+        monkeypatch.setattr(tree_acceptance, "torch", walk)
+        monkeypatch.setattr(tree_acceptance, "sample", walk.draw)
+        drawn = list(walk.values)
+        want = accept_tree_sampled(tree, qs[r], p[r, :len(tree) + 1], make_generator(0))
+        monkeypatch.undo()
+        given = uniforms[r].clone()  # the batched form's uniforms, the walk's where it drew them
+        order = walk_order(tree, want.path, want.tested)
+        given[order] = torch.tensor(drawn[:len(order)])
+        given[len(tree)] = drawn[len(order)]
+        n = len(tree)
+        again = decide_trees(TreeBatch(p[r:r + 1, :n + 1], tree_layout([tree], [qs[r]]), torch.zeros(1, dtype=torch.bool),
+                                       given[None, :n + 1], True)).to_host()[0]
+        assert again == (want.path, want.next_token, want.is_bonus, want.tested), (r, tree)
+        outcomes.add((bool(want.path), want.is_bonus))
+        # the batch's own uniforms: the reference with those, in walk order, decides the same
+        order = walk_order(tree, decided[r][0], decided[r][3])
+        walk = GivenUniforms([*uniforms[r, order].tolist(), float(uniforms[r, len(tree)])])
+        monkeypatch.setattr(tree_acceptance, "torch", walk)
+        monkeypatch.setattr(tree_acceptance, "sample", walk.draw)
+        want = accept_tree_sampled(tree, qs[r], p[r, :len(tree) + 1], make_generator(0))
+        monkeypatch.undo()
+        assert decided[r] == (want.path, want.next_token, want.is_bonus, want.tested), (r, tree)
+    assert outcomes == {(False, False), (True, False), (True, True)}  # rejected at the root, deeper, a bonus
 
 
 def dists(rows: int, seed: int, sharp: float = 1.5) -> torch.Tensor:
