@@ -1,10 +1,11 @@
-"""The batched, on-device acceptance step over token trees (specdec/maths/batched_tree_acceptance.py)
-against the reference it implements (specdec/maths/tree_acceptance.py): greedy walks equal
-accept_tree_greedy's on many random trees, and sampled walks accept_tree_sampled's, row by row,
-given the same uniforms (random trees, p, sparse q and seeds); sampled output follows p (one pooled chi-square over the first token and the 2-token path,
-one-hot and non-one-hot q, trees whose children are all rejected); and through the graph
-engine's DeviceVerifier, a batch of trees and chains with different seeds gives each row what
-it gets alone, greedy rows what the host verifier gives."""
+"""The batched, on-device acceptance step over token trees
+(specdec/maths/batched_tree_acceptance.py) against the reference it implements
+(specdec/maths/tree_acceptance.py): greedy walks equal accept_tree_greedy's on many random
+trees, and sampled walks accept_tree_sampled's, row by row, given the same uniforms (random
+trees, p, sparse q and seeds); sampled output follows p (one pooled chi-square over the first
+token and the 2-token path, one-hot and non-one-hot q, trees whose children are all rejected);
+and through the graph engine's DeviceVerifier, a batch of trees and chains with different seeds
+gives each row what it gets alone, greedy rows what the host verifier gives."""
 
 from __future__ import annotations
 
@@ -162,8 +163,8 @@ def pooled_pvalue(first: torch.Tensor, second: torch.Tensor, p_root: torch.Tenso
 def test_sampled_walks_follow_p_over_the_first_two_tokens(proposal):
     """Three children of the root, a grandchild under the first; p at a node depends on its
     token alone (p_after), as the target's next round after that token would. one-hot:
-    children are the draft's top tokens (q one-hot); drawn-from-q: each child drawn from its own q independently (q not one-hot, children may
-    repeat); all-rejected: p at the root is zero on every child's token."""
+    children are the draft's top tokens (q one-hot); drawn-from-q: each child drawn from its own
+    q independently (q not one-hot, children may repeat); all-rejected: p at the root is zero on every child's token."""
     rows = 12_000
     g = torch.Generator().manual_seed(11)
     p_root, p_after, q_rows = dists(1, 1)[0], dists(VOCAB, 2), dists(4, 3, sharp=1.0)

@@ -7,8 +7,8 @@ What this module decides:
   Its SessionCache holds a `PagedBlocks`, whose pool id is its own (not the session id: a
   session re-created while its old cache is still referenced gets a new id).
 - Rollback (`crop`) is a length edit; keeping a tree's accepted path moves those nodes' rows
-  in the pool (PagedKV.keep_path). Forwards go through CudaGraphRunner: padded to a bucket, replayed
-  from a CUDA graph where captured, eager otherwise (the CPU runs the same code).
+  in the pool (PagedKV.keep_path). Forwards go through CudaGraphRunner: padded to a bucket,
+  replayed from a CUDA graph where captured, eager otherwise (the CPU runs the same code).
 - The LRU bound of SessionCaches is mapped onto the pool: a session's bytes are its blocks,
   the byte bound is the pool, and before a forward that needs more blocks than are free the
   least recently used sessions (never the forward's own) are evicted. Only when that is not

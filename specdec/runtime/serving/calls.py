@@ -2,9 +2,10 @@
 
 The call's final step goes through the batch scheduler, which runs it together with other
 sessions' final steps in one forward. A call whose new tokens exceed the engine's prefill chunk
-is split into prefill steps, each a separate task on the worker, so other sessions' rounds run in between. A step whose caller's
-deadline has passed is never started; the steps already done stay in the cache, and a resend
-(prefix_len 0 with the full history) picks up where they ended instead of starting again.
+is split into prefill steps, each a separate task on the worker, so other sessions' rounds run
+in between. A step whose caller's deadline has passed is never started; the steps already done
+stay in the cache, and a resend (prefix_len 0 with the full history) picks up where they ended
+instead of starting again.
 """
 
 from __future__ import annotations
