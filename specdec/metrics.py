@@ -28,7 +28,7 @@ SERVICES = ("coordinator", "draft", "target")
 ROUND_SOURCES = tuple(p.value for p in Proposer if p != Proposer.AUTO)  # a round's proposer label
 STAGES = ("draft", "verify", "store", "coordinator")
 WATCHABLE = ("active_sessions", "cached_sessions", "kv_cache_bytes", "queue_depth")
-# the K/V chunk metrics of a draft or target service (read from its runner's KV tier when scraped)
+# the K/V chunk metrics of a draft or target service (read from its engine's KV tier when scraped)
 KV_CHUNK_COUNTERS = {
     "specdec_kv_restored_tokens": "history tokens loaded from K/V chunks instead of prefilled",
     "specdec_kv_prefix_cache_hits": "K/V chunks found in this replica's prefix cache",

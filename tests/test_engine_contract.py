@@ -10,9 +10,10 @@ import pytest
 
 from specdec.config import TargetConfig
 from specdec.maths.sampling import target_probs
-from specdec.runtime.device_verification import DeviceVerifier
-from specdec.runtime.engine import ModelEngine, SessionEngine
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.graph.device_verification import DeviceVerifier
+from specdec.runtime.engine import ModelEngine
+from specdec.runtime.session_engine import SessionEngine
+from specdec.runtime.engines import engine_from_config
 from specdec.runtime.verification import Verifier, VerifyCall
 from specdec.types import SamplingParams, SparseDist
 from tests.test_sampling import chi2_pvalue
@@ -23,7 +24,7 @@ PROMPT = [5, 9, 14, 3, 22, 7]
 
 
 def engine(model: str, backend: str, dtype: str = "float64") -> SessionEngine:
-    return runner_from_config(TargetConfig(model=model, backend=backend, dtype=dtype, kv_cache_bytes=8 << 20))
+    return engine_from_config(TargetConfig(model=model, backend=backend, dtype=dtype, kv_cache_bytes=8 << 20))
 
 
 @pytest.fixture(scope="module", params=["torch", "graph", "llama.cpp"])

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.runtime.batched_acceptance import inverse_cdf
+from specdec.maths.batched_acceptance import inverse_cdf
 from specdec.types import SamplingParams
 
 
