@@ -23,7 +23,7 @@ from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
 from specdec.maths.tree import TokenTree
-from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs, Trees
+from specdec.types import CoreSharing, ModelDescription, Source, SamplingParams, TokenLogprobs, Trees
 
 from coordinator.session_calls import SessionCalls
 from coordinator.sessions.lease_keeper import LeaseKeeper
@@ -31,7 +31,7 @@ from coordinator.policy.load_governor import LoadGovernor
 from coordinator.recording import Recorder
 from coordinator.sources.base import ProposalSource
 from coordinator.sources.draft_model import DraftModel, catch_up_tokens
-from coordinator.sources.heads import HeadsSource
+from coordinator.sources.heads_source import HeadsSource
 from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
@@ -41,7 +41,7 @@ from coordinator.policy.heads_estimates import HeadsAtHand
 from coordinator.policy.session_policy import Horizon
 from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
-from coordinator.sessions.store import Lease, SessionRecord, SessionStore
+from coordinator.sessions.session_store import Lease, SessionRecord, SessionStore
 from coordinator.streamed_text import StreamedText
 from coordinator.tasks import discard
 from coordinator.sessions.model_tiers import Tier, tiers_compete
@@ -89,8 +89,8 @@ class RoundLoop:
                                           CoreSharing(config.tiers_share_cores), draft_info, target_info))
         self.prompt_lookup = PromptLookup(config.ngram_max, config.ngram_max_tokens)
         self.heads = HeadsSource(config.head_candidates)
-        self.sources: dict[Proposer, ProposalSource] = {
-            source.proposer: source for source in (self.draft_model, self.prompt_lookup, self.heads, NoProposals())}
+        self.sources: dict[Source, ProposalSource] = {
+            source.kind: source for source in (self.draft_model, self.prompt_lookup, self.heads, NoProposals())}
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -140,9 +140,9 @@ class RoundLoop:
             raise ResourceExhausted(
                 f"{self.active} generations are running, the limit of this coordinator "
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
-        if mode.proposer == Proposer.HEADS:
+        if mode.source == Source.HEADS:
             self._check_heads()
-        governed = is_governed(mode.proposer, mode.fixed_gamma)  # what the governor may switch
+        governed = is_governed(mode.source, mode.fixed_gamma)  # what the governor may switch
         times = TokenTimes(time.perf_counter())
         self.active += 1
         self.adaptive += governed
@@ -189,7 +189,7 @@ class RoundLoop:
         record.requests += 1
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here
         await self.store.save(record, lease)
-        spec = self.speculation.start(record.session_id, mode.proposer, mode.fixed_gamma, request.tree_nodes,
+        spec = self.speculation.start(record.session_id, mode.source, mode.fixed_gamma, request.tree_nodes,
                                       self.draft_info.verifies_trees and self.target_info.verifies_trees,
                                       self.routes.drafts.model_of(record.draft.address))
         rng = RequestRng(request.seed)
@@ -301,8 +301,8 @@ class RoundLoop:
         if result.call_seconds is not None:  # the Propose call, answered or failed
             stages["draft"] = result.call_seconds
         stages["coordinator"] = max(0.0, now - result.started - sum(stages.values()))
-        self.metrics.record_round(result.source if proposed else Proposer.NONE, proposed, accepted, stages,
-                                  tree=bool(result.parents) and result.source == Proposer.DRAFT)
+        self.metrics.record_round(result.source if proposed else Source.NONE, proposed, accepted, stages,
+                                  tree=bool(result.parents) and result.source == Source.DRAFT)
 
     # ---- one round ----------------------------------------------------------------------------
 

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from specdec.maths.tree import TreeOutcome
-from specdec.types import Proposer
+from specdec.types import Source
 
 from coordinator.policy.estimates import (
     SOURCES, AcceptanceEstimate, CostModel, argmax_speedup, check_alpha, expected_tokens, spread_speedup,
@@ -133,7 +133,7 @@ NO_HORIZON = Horizon()
 class Choice:
     """A round's plan. Unpacks as ``source, gamma = choice``."""
 
-    source: Proposer   # DRAFT | PROMPT_LOOKUP | HEADS | NONE
+    source: Source   # DRAFT | PROMPT_LOOKUP | HEADS | NONE
     gamma: int         # tokens to propose (0 exactly when source is "none"; heads: the tree's depth)
     reason: str        # "best" | "warmup" | "probe" | "override" | "unavailable" | HEADS_NEXT
     speedup: float = 1.0  # estimated speedup over plain decoding (1.0 for none)
@@ -182,7 +182,7 @@ class SessionPolicy:
         self.lookup_orders: dict[int, AcceptanceEstimate] = {}  # prompt lookup's α per match length
         if self.branch is None:
             self.branch = AcceptanceEstimate(c.alpha_decay)
-        self._last = Choice(Proposer.NONE, 0, "none")  # the latest round's choice
+        self._last = Choice(Source.NONE, 0, "none")  # the latest round's choice
 
     def use_draft(self, draft_model: str, costs: CostModel, prior: AcceptanceEstimate, clock: ProbeClock,
                   branch: AcceptanceEstimate) -> None:
@@ -192,19 +192,19 @@ class SessionPolicy:
         c = self.config
         self.draft_model, self.costs, self.draft_prior, self.probe_clock, self.branch = (
             draft_model, costs, prior, clock, branch)
-        self.sources[Proposer.DRAFT] = _SourceState(AcceptanceEstimate(c.alpha_decay), ProbeClock(c.probe_interval))
+        self.sources[Source.DRAFT] = _SourceState(AcceptanceEstimate(c.alpha_decay), ProbeClock(c.probe_interval))
 
     def use_heads(self, heads: SessionHeads) -> None:
         """The session's target serves these heads now (new ones, or the first seen): what it
         learnt of others is forgotten; where the coordinator has measured these, no warm-up."""
         c = self.config
         self.heads = heads
-        state = self.sources[Proposer.HEADS] = _SourceState(AcceptanceEstimate(c.alpha_decay),
+        state = self.sources[Source.HEADS] = _SourceState(AcceptanceEstimate(c.alpha_decay),
                                                             ProbeClock(c.probe_interval))
         if heads.warmed_up:
             state.acceptance.rounds = c.warmup_rounds
 
-    def wants_heads(self, mode: Proposer, typical: HeadsAtHand | None = None, cap: int = 0,
+    def wants_heads(self, mode: Source, typical: HeadsAtHand | None = None, cap: int = 0,
                     load: int = 1) -> bool:
         """Whether the Verify of the round just chosen should read the heads' proposals for the
         next round. A request held to heads: always. Under auto only while the next round may
@@ -213,12 +213,12 @@ class SessionPolicy:
         round's `cap` allow). Reading them costs the target one more pass of its output layer
         (all heads at once), which a CPU target pays on every round it is asked, so heads that
         lose are read again only to probe."""
-        if self.heads is None or mode not in (Proposer.AUTO, Proposer.HEADS):
+        if self.heads is None or mode not in (Source.AUTO, Source.HEADS):
             return False
-        if mode == Proposer.HEADS:
+        if mode == Source.HEADS:
             return True
-        state = self.sources[Proposer.HEADS]
-        if (state.acceptance.rounds < self.config.warmup_rounds or self._last.source == Proposer.HEADS
+        state = self.sources[Source.HEADS]
+        if (state.acceptance.rounds < self.config.warmup_rounds or self._last.source == Source.HEADS
                 or self._last.reason == HEADS_NEXT or state.clock.idle >= state.clock.interval):
             return True
         if typical is None:
@@ -231,7 +231,7 @@ class SessionPolicy:
         if self.heads is not None:
             self.heads.observe(outcome)
 
-    def alpha(self, source: Proposer) -> float | None:
+    def alpha(self, source: Source) -> float | None:
         """The current acceptance estimate of a source (None before its first observed round).
         The draft's keeps `draft_prior_weight` trials of the coordinator-wide α once that has
         warmed up: the draft's acceptance belongs to the pair more than to the session, and a
@@ -239,7 +239,7 @@ class SessionPolicy:
         a row, and a weak prompt lookup would then take the rounds that follow. Prompt lookup's α is the session's own: it differs by far
         between a rewrite and new text."""
         own = self.sources[source].acceptance
-        shared = self._shared_draft_alpha() if source == Proposer.DRAFT else None
+        shared = self._shared_draft_alpha() if source == Source.DRAFT else None
         if shared is None:
             return own.alpha
         weight = self.config.draft_prior_weight
@@ -273,7 +273,7 @@ class SessionPolicy:
         own = self.lookup_orders.get(order)
         if own is not None and own.trials >= self.config.order_min_trials:
             return own.alpha
-        overall = self.alpha(Proposer.PROMPT_LOOKUP)
+        overall = self.alpha(Source.PROMPT_LOOKUP)
         return None if overall is None else self._order_prior(order, overall)
 
     def _order_prior(self, order: int, overall: float) -> float:
@@ -292,11 +292,11 @@ class SessionPolicy:
         (the γ of its best speedup; 0 when that does not beat plain decoding): what a draft
         tree round grafts on as a branch."""
         alpha = self.lookup_alpha(order) or 0.0
-        costs = self.costs.relative_costs(Proposer.PROMPT_LOOKUP, min(available, self.config.max_gamma), load)
+        costs = self.costs.relative_costs(Source.PROMPT_LOOKUP, min(available, self.config.max_gamma), load)
         gamma, speedup = argmax_speedup(alpha, costs)
         return gamma if speedup > 1.0 + self.config.min_gain else 0
 
-    def seed(self, source: Proposer, alpha: float, weight: float) -> None:
+    def seed(self, source: Source, alpha: float, weight: float) -> None:
         """Start a source from a prior α (what other sessions measured) instead of warm-up rounds.
         Prompt lookup's starts with `weight` trials of it, which the session's own rounds soon
         outweigh. The draft's estimate mixes the coordinator-wide α in already (`alpha`) once that
@@ -305,13 +305,13 @@ class SessionPolicy:
         check_alpha(alpha)
         estimate = self.sources[source].acceptance
         estimate.rounds = max(estimate.rounds, self.config.warmup_rounds)
-        if source == Proposer.DRAFT and self.probe_clock is not None:  # judged with the others now
+        if source == Source.DRAFT and self.probe_clock is not None:  # judged with the others now
             self.sources[source].clock = self.probe_clock
-        if source != Proposer.DRAFT or self._shared_draft_alpha() is None:
+        if source != Source.DRAFT or self._shared_draft_alpha() is None:
             estimate.successes, estimate.trials = alpha * weight, float(weight)
 
     def choose(self, max_gamma: int | None = None, lookup_available: int = 0,
-               draft_available: bool = True, mode: Proposer = Proposer.AUTO,
+               draft_available: bool = True, mode: Source = Source.AUTO,
                fixed_gamma: int | None = None, lookup_order: int = 0, load: int = 1,
                max_tree_nodes: int = 0, heads: HeadsAtHand | None = None,
                horizon: Horizon = NO_HORIZON) -> Choice:
@@ -330,30 +330,30 @@ class SessionPolicy:
         heads choice's γ is its tree's depth and tree_nodes its size (a fixed γ: its size).
         horizon: the draft's catch-up and the heads' plain round, spread over the tokens left.
         """
-        if not isinstance(mode, Proposer):
-            mode = Proposer(mode)  # ValueError for anything else
+        if not isinstance(mode, Source):
+            mode = Source(mode)  # ValueError for anything else
         if fixed_gamma is not None and fixed_gamma < 0:
             raise ValueError(f"fixed_gamma must be >= 0, got {fixed_gamma}")
         cap = self.config.max_gamma if max_gamma is None else max_gamma
         caps = self._caps(mode, cap, lookup_available, draft_available, heads)
-        if fixed_gamma == 0 or mode == Proposer.NONE:
-            return self._chose(caps, Choice(Proposer.NONE, 0, "override"))
+        if fixed_gamma == 0 or mode == Source.NONE:
+            return self._chose(caps, Choice(Source.NONE, 0, "override"))
         if not caps:
-            return self._chose(caps, Choice(Proposer.NONE, 0, "unavailable"))
-        if fixed_gamma is not None and mode != Proposer.AUTO:
+            return self._chose(caps, Choice(Source.NONE, 0, "unavailable"))
+        if fixed_gamma is not None and mode != Source.AUTO:
             choice = Choice(mode, min(fixed_gamma, caps[mode]), "override")
         else:
             horizon = horizon if fixed_gamma is None else NO_HORIZON  # a fixed γ gets what it asked for
             choice = self._explore(caps, fixed_gamma, horizon, load) or self._best(
                 caps, fixed_gamma, lookup_order, load, 0 if fixed_gamma is not None else max_tree_nodes, heads,
                 horizon)
-        if choice.source == Proposer.HEADS and not choice.tree_nodes and heads is not None:
+        if choice.source == Source.HEADS and not choice.tree_nodes and heads is not None:
             nodes = (warmup_nodes(choice.gamma, heads) if fixed_gamma is None
                      else max(choice.gamma, min(fixed_gamma, heads.nodes_most(choice.gamma))))
             choice = replace(choice, tree_nodes=nodes)
         return self._chose(caps, choice)
 
-    def observe(self, source: Proposer, proposed: int, accepted: int, *,
+    def observe(self, source: Source, proposed: int, accepted: int, *,
                 propose_seconds: float | None = None, verify_seconds: float | None = None,
                 verified_tokens: int | None = None, trials: bool = True, lookup_order: int = 0,
                 batch_tokens: int | None = None, tree: bool = False) -> None:
@@ -368,7 +368,7 @@ class SessionPolicy:
         tree: a draft round that grew a token tree, `proposed` deep (its spine): its time goes to
         the tree rounds' own fit.
         """
-        if source not in (*SOURCES, Proposer.NONE):
+        if source not in (*SOURCES, Source.NONE):
             raise ValueError(f"source must be draft, ngram, heads or none, got {source!r}")
         if not 0 <= accepted <= proposed:
             raise ValueError(f"need 0 <= accepted <= proposed, got {accepted}, {proposed}")
@@ -377,7 +377,7 @@ class SessionPolicy:
                 self.sources[source].acceptance.observe(proposed, accepted)
             else:  # a round all the same: warm-up ends even if its own tokens are never tried
                 self.sources[source].acceptance.rounds += 1
-            if trials and source == Proposer.PROMPT_LOOKUP and lookup_order > 0:
+            if trials and source == Source.PROMPT_LOOKUP and lookup_order > 0:
                 self.lookup_orders.setdefault(lookup_order, AcceptanceEstimate(self.config.alpha_decay)).observe(
                     proposed, accepted)
             if propose_seconds is not None and tree:
@@ -389,20 +389,20 @@ class SessionPolicy:
         if verify_seconds is not None and 0 < tokens <= limit:
             self.costs.observe_verify(max(tokens, batch_tokens or 0), verify_seconds)
 
-    def _caps(self, mode: Proposer, cap: int, lookup_available: int,
-              draft_available: bool, heads: HeadsAtHand | None = None) -> dict[Proposer, int]:
+    def _caps(self, mode: Source, cap: int, lookup_available: int,
+              draft_available: bool, heads: HeadsAtHand | None = None) -> dict[Source, int]:
         """Per eligible source, the most tokens it may propose this round (heads: how deep)."""
         caps = {}
-        if mode in (Proposer.AUTO, Proposer.DRAFT) and draft_available and cap > 0:
-            caps[Proposer.DRAFT] = cap
-        if mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP) and min(cap, lookup_available) > 0:
-            caps[Proposer.PROMPT_LOOKUP] = min(cap, lookup_available)
-        if (mode in (Proposer.AUTO, Proposer.HEADS) and heads is not None and self.heads is not None
+        if mode in (Source.AUTO, Source.DRAFT) and draft_available and cap > 0:
+            caps[Source.DRAFT] = cap
+        if mode in (Source.AUTO, Source.PROMPT_LOOKUP) and min(cap, lookup_available) > 0:
+            caps[Source.PROMPT_LOOKUP] = min(cap, lookup_available)
+        if (mode in (Source.AUTO, Source.HEADS) and heads is not None and self.heads is not None
                 and min(cap, heads.depth) > 0):
-            caps[Proposer.HEADS] = min(cap, heads.depth)
+            caps[Source.HEADS] = min(cap, heads.depth)
         return caps
 
-    def _explore(self, caps: dict[Proposer, int], fixed_gamma: int | None, horizon: Horizon = NO_HORIZON,
+    def _explore(self, caps: dict[Source, int], fixed_gamma: int | None, horizon: Horizon = NO_HORIZON,
                  load: int = 1) -> Choice | None:
         """Warm-up of a source without enough data, or a probe of one left unused too long — but
         not of a draft that would first catch up on history (`horizon`): such a probe costs the
@@ -416,12 +416,12 @@ class SessionPolicy:
         lagging = self.costs.relative_catch_up(horizon.draft_lag, load) > 0
         for source, cap in caps.items():
             clock = self.sources[source].clock
-            if clock.idle >= clock.interval and not (source == Proposer.DRAFT and lagging):
+            if clock.idle >= clock.interval and not (source == Source.DRAFT and lagging):
                 clock.interval = min(2 * clock.interval, c.max_probe_interval)
                 return Choice(source, min(fixed_gamma or c.probe_gamma, cap), "probe")
         return None
 
-    def _best(self, caps: dict[Proposer, int], fixed_gamma: int | None, lookup_order: int = 0,
+    def _best(self, caps: dict[Source, int], fixed_gamma: int | None, lookup_order: int = 0,
               load: int = 1, max_tree_nodes: int = 0, heads: HeadsAtHand | None = None,
               horizon: Horizon = NO_HORIZON) -> Choice:
         """The eligible source and γ (a draft round: or tree; heads: their tree) with the largest
@@ -430,13 +430,13 @@ class SessionPolicy:
         is always used)."""
         options = [] if horizon.heads_next is None else self._heads_next(horizon, max(caps.values()), load)
         for source, cap in caps.items():
-            if source == Proposer.HEADS:
+            if source == Source.HEADS:
                 found = None if heads is None or self.heads is None else self.heads.best_round(
                     heads, cap, lambda nodes: self.costs.relative_heads_cost(nodes, load), fixed_gamma)
                 if found is not None:
-                    options.append(Choice(Proposer.HEADS, found[0], "best", found[2], tree_nodes=found[1]))
+                    options.append(Choice(Source.HEADS, found[0], "best", found[2], tree_nodes=found[1]))
                 continue
-            alpha = (self.lookup_alpha(lookup_order) if source == Proposer.PROMPT_LOOKUP else self.alpha(source)) or 0.0
+            alpha = (self.lookup_alpha(lookup_order) if source == Source.PROMPT_LOOKUP else self.alpha(source)) or 0.0
             if fixed_gamma is not None:
                 gamma = min(fixed_gamma, cap)
                 speedup = expected_tokens(alpha, gamma) / self.costs.relative_cost(source, gamma, load)
@@ -444,21 +444,21 @@ class SessionPolicy:
                 costs = self.costs.relative_costs(source, min(cap, self.config.max_gamma), load)
                 gamma, speedup = argmax_speedup(alpha, costs)
             best = Choice(source, gamma, "best", speedup) if gamma > 0 else None
-            if source == Proposer.DRAFT and max_tree_nodes > 0:  # a tree where it beats the chain
+            if source == Source.DRAFT and max_tree_nodes > 0:  # a tree where it beats the chain
                 tree = self._best_tree(alpha, min(cap, self.config.max_gamma), min(max_tree_nodes, cap), load)
                 if tree is not None and tree.speedup > (best.speedup if best else 1.0) * (
                         1.0 + self.config.tree_min_gain):
                     best = tree
-            if best is not None and source == Proposer.DRAFT:  # the catch-up, spread over the tokens left
+            if best is not None and source == Source.DRAFT:  # the catch-up, spread over the tokens left
                 best = replace(best, speedup=spread_speedup(
                     best.speedup, self.costs.relative_catch_up(horizon.draft_lag, load), horizon.tokens_left))
             if best is not None:
                 options.append(best)
         if not options:
-            return Choice(Proposer.NONE, 0, "best")
+            return Choice(Source.NONE, 0, "best")
         top = max(options, key=lambda option: option.speedup)  # ties: the first (draft)
         if fixed_gamma is None and top.speedup <= 1.0 + self.config.min_gain:
-            return Choice(Proposer.NONE, 0, "best")
+            return Choice(Source.NONE, 0, "best")
         if top.speedup > 1.0 + self.config.min_gain and top.source in self.sources:  # it wins (not forced):
             # once it stops, it is probed soon (its α may have dipped on a few rounds)
             self.sources[top.source].clock.interval = self.config.lapsed_probe_interval
@@ -472,7 +472,7 @@ class SessionPolicy:
         found = self.heads.best_round(horizon.heads_next, cap, lambda nodes: self.costs.relative_heads_cost(nodes, load))
         if found is None or found[2] <= 1.0:
             return []
-        return [Choice(Proposer.NONE, 0, HEADS_NEXT, spread_speedup(found[2], 1.0 - 1.0 / found[2], horizon.tokens_left))]
+        return [Choice(Source.NONE, 0, HEADS_NEXT, spread_speedup(found[2], 1.0 - 1.0 / found[2], horizon.tokens_left))]
 
     def _best_tree(self, alpha: float, max_depth: int, max_nodes: int, load: int) -> Choice | None:
         """The draft tree (depth, nodes) with the largest estimated speedup (None: no budget fits)."""
@@ -483,16 +483,16 @@ class SessionPolicy:
                 speedup = (tree_expected_tokens(alpha, b, depth, nodes)
                            / self.costs.relative_tree_cost(depth, nodes, load))
                 if best is None or speedup > best.speedup:
-                    best = Choice(Proposer.DRAFT, depth, "best", speedup, tree_nodes=nodes)
+                    best = Choice(Source.DRAFT, depth, "best", speedup, tree_nodes=nodes)
         return best
 
-    def _chose(self, caps: dict[Proposer, int], choice: Choice) -> Choice:
+    def _chose(self, caps: dict[Source, int], choice: Choice) -> Choice:
         """Book-keeping: the chosen source is fresh, the other eligible ones idle one more round
         — the heads too on a round whose Verify before did not read them (`wants_heads`), so
         their probe comes due."""
         idle = set(caps)
-        if self.heads is not None and Proposer.HEADS not in caps:
-            idle.add(Proposer.HEADS)
+        if self.heads is not None and Source.HEADS not in caps:
+            idle.add(Source.HEADS)
         for source in idle:
             clock = self.sources[source].clock
             clock.idle = 0 if source == choice.source else clock.idle + 1

@@ -5,7 +5,7 @@ and how many tokens.
 acceptance per source over all sessions (a new session starts from it rather than spending
 warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acceptance
 estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
-`RequestSpeculation`, which holds the request's override (proposer, fixed γ).
+`RequestSpeculation`, which holds the request's override (its source, fixed γ).
 
 The planner only chooses: prompt lookup (the source in coordinator/sources/prompt_lookup.py)
 looks the session's tokens up first and hands it a `Lookup`, what it found. A round:
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specdec.maths.tree import TokenTree, TreeOutcome, tree_outcome
-from specdec.types import Proposer, Trees
+from specdec.types import Source, Trees
 
 from coordinator.policy.estimates import AcceptanceEstimate, CostModel
 from coordinator.policy.heads_estimates import DepthAcceptance, HeadsAtHand, SessionHeads
@@ -58,8 +58,8 @@ class FixedCosts(CostModel):
         super().__init__()
         self.cost_ratio = cost_ratio
 
-    def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
-        c = self.cost_ratio if source == Proposer.DRAFT else 0.0
+    def relative_costs(self, source: Source, max_gamma: int, load: int = 1) -> list[float]:
+        c = self.cost_ratio if source == Source.DRAFT else 0.0
         return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
 
     def relative_tree_cost(self, depth: int, nodes: int, load: int = 1) -> float:
@@ -91,7 +91,7 @@ NO_LOOKUP = Lookup()  # the round does not look up (its request does not use pro
 class Plan:
     """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's."""
 
-    source: Proposer            # DRAFT | PROMPT_LOOKUP | HEADS | NONE
+    source: Source            # DRAFT | PROMPT_LOOKUP | HEADS | NONE
     gamma: int                  # tokens to propose (draft: its steps; kept hints come on top; heads: the depth)
     tokens: list[int] = field(default_factory=list)  # prompt lookup: the proposal; draft: the hints
     reason: str = ""
@@ -114,20 +114,20 @@ def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair
     return max_nodes
 
 
-def is_governed(mode: Proposer, fixed_gamma: int | None) -> bool:
+def is_governed(mode: Source, fixed_gamma: int | None) -> bool:
     """Whether a request is adaptive `auto` (neither source nor γ fixed): the load governor may
     switch it to plain decoding, and its draft rounds carry prompt lookup's hints."""
-    return mode == Proposer.AUTO and fixed_gamma is None
+    return mode == Source.AUTO and fixed_gamma is None
 
 
 class RequestSpeculation:
     """One request's planner: its override and the session's policy."""
 
-    def __init__(self, policy: SessionPolicy, mode: Proposer,
-                 fixed_gamma: int | None, priors: dict[Proposer, AcceptanceEstimate] | None = None,
+    def __init__(self, policy: SessionPolicy, mode: Source,
+                 fixed_gamma: int | None, priors: dict[Source, AcceptanceEstimate] | None = None,
                  draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
                  min_confidence: float = 0.0, tree_nodes: int = 0, max_tree_nodes: int = 0) -> None:
-        mode = Proposer(mode)  # ValueError for anything else
+        mode = Source(mode)  # ValueError for anything else
         self.policy, self.mode, self.fixed_gamma = policy, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
         self.governed = is_governed(mode, fixed_gamma)
@@ -145,17 +145,17 @@ class RequestSpeculation:
     @property
     def uses_draft(self) -> bool:
         """Whether this request may call the draft model at all."""
-        return self.mode in (Proposer.AUTO, Proposer.DRAFT) and self.fixed_gamma != 0
+        return self.mode in (Source.AUTO, Source.DRAFT) and self.fixed_gamma != 0
 
     @property
     def uses_heads(self) -> bool:
         """Whether this request's rounds may propose the target's heads' tokens (so its Verify
         calls ask for them)."""
-        return self.mode in (Proposer.AUTO, Proposer.HEADS) and self.fixed_gamma != 0
+        return self.mode in (Source.AUTO, Source.HEADS) and self.fixed_gamma != 0
 
     def looks_up(self, cap: int, allowed: bool = True) -> bool:
         """Whether the next round's plan would use what prompt lookup finds (else it need not look)."""
-        return ((allowed or not self.governed) and self.mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP)
+        return ((allowed or not self.governed) and self.mode in (Source.AUTO, Source.PROMPT_LOOKUP)
                 and cap > 0 and self.fixed_gamma != 0)
 
     def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True,
@@ -168,7 +168,7 @@ class RequestSpeculation:
         allowed=False: the coordinator measured that speculation does not pay under the current
         load (load_governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
         if not allowed and self.governed:
-            return Plan(Proposer.NONE, 0, [], "load")
+            return Plan(Source.NONE, 0, [], "load")
         t0 = time.perf_counter()
         candidates = lookup.tokens[:cap] if self.looks_up(cap) else []
         self._order = lookup.order if candidates else 0
@@ -178,13 +178,13 @@ class RequestSpeculation:
                                     fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
                                     max_tree_nodes=self.max_tree_nodes, heads=heads if self.uses_heads else None,
                                     horizon=self._horizon)
-        if choice.source == Proposer.PROMPT_LOOKUP:
-            return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
+        if choice.source == Source.PROMPT_LOOKUP:
+            return Plan(Source.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
                         lookup.seconds + time.perf_counter() - t0, choice.speedup)
-        if choice.source == Proposer.HEADS:
-            return Plan(Proposer.HEADS, choice.gamma, [], choice.reason, speedup=choice.speedup,
+        if choice.source == Source.HEADS:
+            return Plan(Source.HEADS, choice.gamma, [], choice.reason, speedup=choice.speedup,
                         tree_nodes=choice.tree_nodes)
-        if choice.source == Proposer.DRAFT:
+        if choice.source == Source.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
             if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as branches
                 # the room left (cap) bounds a tree by its depth: γ ≤ cap, and every branch is cut
@@ -192,24 +192,24 @@ class RequestSpeculation:
                 gamma = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
                          if candidates and self.governed else 0)  # a fixed γ: the tree asked for
                 branches = lookup.continuations(gamma, LOOKUP_BRANCHES) if gamma else []
-                return Plan(Proposer.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
+                return Plan(Source.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
                             tree_nodes=tree_nodes, branches=branches)
             hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
-            return Plan(Proposer.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
+            return Plan(Source.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
                         min_confidence=self.min_confidence)
         return Plan(choice.source, choice.gamma, [], choice.reason, speedup=choice.speedup)
 
     def describe(self, plan: Plan) -> str:
         """A round's plan with the estimates behind it, for the debug log."""
-        alpha, lookup_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.lookup_alpha(self._order)
+        alpha, lookup_alpha = self.policy.alpha(Source.DRAFT), self.policy.lookup_alpha(self._order)
         shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
         return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
                 f"{_fmt(alpha)} prompt lookup {_fmt(lookup_alpha)}; draft round of 4 costs "
-                f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load}; "
+                f"{self.policy.costs.relative_cost(Source.DRAFT, 4, self.load):.2f} plain steps; load {self.load}; "
                 f"{self._horizon.tokens_left} tokens left, the draft lacks {self._horizon.draft_lag} "
                 f"({self.policy.costs.relative_catch_up(self._horizon.draft_lag, self.load):.2f} plain steps))")
 
-    def observe(self, source: Proposer, proposed: int, accepted: int, *,
+    def observe(self, source: Source, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
                 verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None,
                 tree: TokenTree | None = None, accepted_nodes: tuple[int, ...] = (),
@@ -227,7 +227,7 @@ class RequestSpeculation:
         (policy.branch_alpha); its last `lookup_nodes` nodes, prompt lookup's grafted branches,
         are neither. A heads round (its tree or chain) feeds α per depth and b of the heads
         (heads_estimates.py), and its spine the heads' overall α."""
-        if source == Proposer.HEADS and proposed:
+        if source == Source.HEADS and proposed:
             outcome = (tree_outcome(tree, accepted_nodes) if tree is not None
                        else TreeOutcome(proposed, accepted, 0, 0))
             self.policy.observe_heads(outcome)
@@ -237,10 +237,10 @@ class RequestSpeculation:
             self.policy.observe_branches(outcome.alternatives_tried, outcome.alternatives_accepted)
             proposed, accepted = outcome.spine_proposed, outcome.spine_accepted
         if proposed == 0:
-            source = Proposer.NONE
+            source = Source.NONE
         own, own_accepted = proposed - hints_kept, accepted - hints_kept
         tried = own_accepted >= 0
-        order = self._order if source == Proposer.PROMPT_LOOKUP else 0
+        order = self._order if source == Source.PROMPT_LOOKUP else 0
         self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
                             lookup_order=order, batch_tokens=batch_tokens,
@@ -312,9 +312,9 @@ class Speculation:
         self.current.costs = costs
 
     @property
-    def priors(self) -> dict[Proposer, AcceptanceEstimate]:
+    def priors(self) -> dict[Source, AcceptanceEstimate]:
         """α per source over all sessions (the draft's: of the newest draft model)."""
-        return {Proposer.DRAFT: self.current.acceptance, Proposer.PROMPT_LOOKUP: self.lookup_prior}
+        return {Source.DRAFT: self.current.acceptance, Source.PROMPT_LOOKUP: self.lookup_prior}
 
     @property
     def branch(self) -> AcceptanceEstimate:
@@ -341,8 +341,8 @@ class Speculation:
 
     def _seed(self, policy: SessionPolicy, estimates: DraftEstimates, draft_only: bool = False) -> None:
         """Start the session's sources from the coordinator-wide α of those that have warmed up."""
-        priors = [(Proposer.DRAFT, estimates.acceptance)] + ([] if draft_only else [
-            (Proposer.PROMPT_LOOKUP, self.lookup_prior)])
+        priors = [(Source.DRAFT, estimates.acceptance)] + ([] if draft_only else [
+            (Source.PROMPT_LOOKUP, self.lookup_prior)])
         for source, prior in priors:
             if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                 policy.seed(source, prior.alpha, PRIOR_WEIGHT)
@@ -378,7 +378,7 @@ class Speculation:
         estimates = self.estimates(draft_model)
         if spec.policy.draft_model != draft_model:
             self._switch(spec.policy, draft_model, estimates)
-        spec.priors = {**spec.priors, Proposer.DRAFT: estimates.acceptance}
+        spec.priors = {**spec.priors, Source.DRAFT: estimates.acceptance}
         spec.draft_model = draft_model
 
     def heads_estimates(self, heads_id: str) -> DepthAcceptance:
@@ -408,7 +408,7 @@ class Speculation:
     def forget(self, session_id: str) -> None:
         self._policies.pop(session_id, None)
 
-    def start(self, session_id: str, mode: Proposer, fixed_gamma: int | None, tree_nodes: int = 0,
+    def start(self, session_id: str, mode: Source, fixed_gamma: int | None, tree_nodes: int = 0,
               pair_grows_trees: bool = False, draft_model: str | None = None) -> RequestSpeculation:
         """A request's planner. tree_nodes: the request's (0 unset, 1 chains, 2+ a tree of that
         many nodes every draft round); pair_grows_trees: the draft grows trees and the target
@@ -417,8 +417,8 @@ class Speculation:
         budget = auto_tree_budget(self.trees, tree_nodes, fixed_gamma, pair_grows_trees, self.config.max_gamma)
         policy = self.policy(session_id, draft_model)
         spec = RequestSpeculation(policy, mode, fixed_gamma,
-                                  {Proposer.DRAFT: self.estimates(policy.draft_model).acceptance,
-                                   Proposer.PROMPT_LOOKUP: self.lookup_prior},
+                                  {Source.DRAFT: self.estimates(policy.draft_model).acceptance,
+                                   Source.PROMPT_LOOKUP: self.lookup_prior},
                                   self.draft_hints, self.order_priors, self.min_confidence,
                                   tree_nodes if pair_grows_trees else 0, budget)
         spec.draft_model = policy.draft_model

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.maths.tree import TokenTree
-from specdec.types import MAX_HEAD_CANDIDATES, Proposal, Proposer, SparseDist
+from specdec.types import MAX_HEAD_CANDIDATES, Proposal, Source, SparseDist
 
 from coordinator.rounds import Drafts, Round, RoundResult
 from coordinator.sources.base import ProposalSource, one_hot_dists
@@ -83,7 +83,7 @@ class HeadProposals:
 
 
 class HeadsSource(ProposalSource):
-    proposer = Proposer.HEADS
+    kind = Source.HEADS
 
     def __init__(self, candidates: int) -> None:
         if not 0 <= candidates <= MAX_HEAD_CANDIDATES:
@@ -114,7 +114,7 @@ class HeadsSource(ProposalSource):
             return Drafts()
         tokens = list(tree.tokens)
         parents = () if tree.is_chain else tree.parents  # a chain goes as one (a target that verifies chains only)
-        return Drafts(Proposal(tokens, one_hot_dists(tokens), parents=parents), Proposer.HEADS)
+        return Drafts(Proposal(tokens, one_hot_dists(tokens), parents=parents), Source.HEADS)
 
     def committed(self, session_id: str, result: RoundResult) -> None:
         verdict = result.verdict
