@@ -14,7 +14,7 @@ import pytest
 from coordinator.policy.estimates import CostModel, tree_expected_tokens, tree_expected_tokens_by_depth
 from coordinator.policy.heads_estimates import DepthAcceptance, HeadsAtHand, SessionHeads, heads_budgets
 from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
-from coordinator.policy.speculation import NO_LOOKUP, Speculation
+from coordinator.policy.speculation import Offers, Speculation
 from coordinator.rounds import RoundResult
 from coordinator.sources.heads_source import HeadsSource, heads_tree
 from specdec.maths.tree import TokenTree, TreeOutcome
@@ -250,13 +250,13 @@ def test_proposer_heads_fixes_the_source_and_rounds_without_proposals_decode_one
     request = spec.start("s", Source.HEADS, None)
     spec.use_heads(request, "h1")
     assert request.uses_heads and not request.uses_draft
-    plain = request.plan(NO_LOOKUP, 8, True, heads=None)
+    plain = request.plan(Offers(), 8)
     assert (plain.source, plain.gamma) == (Source.NONE, 0)
-    first = request.plan(NO_LOOKUP, 8, True, heads=AT_HAND)  # warm-up: a tree twice its depth
+    first = request.plan(Offers(heads=AT_HAND), 8)  # warm-up: a tree twice its depth
     assert (first.source, first.reason, first.gamma, first.tree_nodes) == (Source.HEADS, "warmup", 3, 6)
     fixed = spec.start("f", Source.HEADS, 5)
     spec.use_heads(fixed, "h1")
-    plan = fixed.plan(NO_LOOKUP, 8, True, heads=AT_HAND)
+    plan = fixed.plan(Offers(heads=AT_HAND), 8)
     assert (plan.source, plan.gamma, plan.tree_nodes) == (Source.HEADS, 3, 5)  # a fixed γ: its nodes
     assert not spec.start("n", Source.HEADS, 0).uses_heads
 
@@ -275,9 +275,9 @@ def test_heads_rounds_feed_their_estimates_and_new_heads_start_afresh():
     assert spec.policy("s").sources[Source.DRAFT].acceptance.rounds == 0  # the draft learnt nothing
     other = spec.start("t", Source.AUTO, None)  # a new session: no warm-up of heads measured already
     spec.use_heads(other, "h1")
-    assert other.plan(NO_LOOKUP, 8, False, heads=AT_HAND).source == Source.HEADS
+    assert other.plan(Offers(draft_available=False, heads=AT_HAND), 8).source == Source.HEADS
     spec.use_heads(request, "h2")  # its target serves other heads now: learnt afresh
     assert request.policy.heads.heads_id == "h2" and request.policy.heads.alpha(1) is None
-    assert request.plan(NO_LOOKUP, 8, False, heads=AT_HAND).reason == "warmup"
+    assert request.plan(Offers(draft_available=False, heads=AT_HAND), 8).reason == "warmup"
     spec.use_heads(request, "h1")  # back: the coordinator kept what it learnt of h1
     assert request.policy.heads.alphas(2) == [1.0, 1.0]

@@ -14,7 +14,7 @@ from coordinator.sessions.session_store import SessionRecord
 from coordinator.sources.draft_model import catch_up_tokens
 from coordinator.policy.heads_estimates import HeadsAtHand
 from coordinator.policy.session_policy import HEADS_NEXT, Horizon
-from coordinator.policy.speculation import NO_LOOKUP, Speculation
+from coordinator.policy.speculation import Offers, Speculation
 from specdec.types import Source
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -108,16 +108,16 @@ def test_heads_next_needs_a_round_after_this_one_and_heads_that_beat_plain_decod
 def test_only_adaptive_requests_weigh_switching():
     """A request that names its source (or γ) gets it: the horizon is auto's."""
     spec = Speculation(8, 4, cost_ratio=0.0)
-    horizon = Horizon(4, 600)
+    lagging = Offers(draft_lag=600)  # 4 tokens left (below)
     for name, mode, gamma in (("d", Source.DRAFT, None), ("g", Source.AUTO, 4)):
         request = spec.start(name, mode, gamma)
         request.policy.seed(Source.DRAFT, 0.8, 10_000)
         with_catch_up(_measured(request.policy))
-        assert request.plan(NO_LOOKUP, 3, True, horizon=horizon).source == Source.DRAFT
+        assert request.plan(lagging, 3, tokens_left=4).source == Source.DRAFT
     auto = spec.start("a", Source.AUTO, None)
     auto.policy.seed(Source.DRAFT, 0.8, 10_000)
     with_catch_up(_measured(auto.policy))
-    assert auto.plan(NO_LOOKUP, 3, True, horizon=horizon).source == Source.NONE
+    assert auto.plan(lagging, 3, tokens_left=4).source == Source.NONE
 
 
 def _measured(policy):

@@ -1,74 +1,13 @@
-"""Per-session choice of proposal source and γ: maximise the expected tokens per second.
+"""Per session, each round's source and γ: the one with the largest expected tokens per second
+(γ = 0, plain decoding, when nothing beats it), and what each round's outcome teaches.
 
-A round that proposes γ tokens from a source whose tokens the target accepts with per-position
-probability α commits on average E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens (the accepted
-prefix plus the target's own token) and costs t_propose(γ) + t_verify(γ + 1). Plain decoding
-commits 1 token per t_verify(1). Measured in units of t_verify(1) the speedup of a round is
-
-    speedup(γ) = E(α, γ) / ((t_propose(γ) + t_verify(γ + 1)) / t_verify(1)),
-
-which is Leviathan et al.'s (1 − α^(γ+1)) / ((1 − α)(γc + 1)) when t_propose(γ) = γ·t_step and
-t_verify is flat (c = t_step / t_verify). With t_verify(n) = a + b·n it is the same form with
-c = (t_step + b) / t_verify(1). The policy keeps, per session and source ("draft", prompt lookup), an
-estimate of α (exponentially forgetting per-position accept/reject trials), and round timings
-(linear fits t_propose(γ) = d0 + d1·γ per source and t_verify(n) = a + b·n, shareable between
-sessions), and each round picks the source and γ with the largest speedup — or no speculation
-("none", γ = 0) when nothing beats plain decoding.
-
-Under load the target runs many sessions' verifications as one batched forward whose time
-grows with the batch's tokens, and every session speculating makes every batch bigger: a
-session's own view (its verify takes as long with 1 token as with 5, the batch is what costs)
-would keep γ high while γ = 0 gives more tokens per second in total. So verify timings are
-fitted against the tokens being verified at the time across the coordinator's generations
-(`batch_tokens`: what a batched forward of them runs), and with `load` generations running a
-round's cost compares t_verify at load·(γ + 1) tokens with t_verify at load·1 — the cost if
-every generation made the same choice: γ falls as the batch stops being free.
-
-Prompt lookup's α also depends on how long a suffix it matched: a 3-token match inside a
-copied passage is right far more often than a 1-token match in new text. So its α is kept per
-match length n as well, and a round uses the session's estimate for the n it matched once that
-has `order_min_trials` trials. Until then it uses a prior: the coordinator-wide α at that n
-(once that has `order_min_trials` trials; else the session's overall α) scaled by the session's
-overall α over the coordinator-wide one. The coordinator learns its per-length α mostly on
-copying prompts; a session of new text that failed a round at one match length is then believed
-at every length, instead of paying failed rounds at each.
-
-The draft's acceptance belongs to the pair more than to the session, and a session's own
-estimate, forgetting per round, dips after a few rejections in a row; so once the
-coordinator-wide draft α has warmed up, a session's draft α keeps `draft_prior_weight` trials
-of it, once (prompt lookup's stays the session's own: a rewrite and new text differ by far).
-
-Exploration: a source with fewer than `warmup_rounds` observed rounds is tried with
-`default_gamma`; a source left unused for `probe_interval` eligible rounds is probed with
-`probe_gamma`, and the interval doubles after each probe (up to `max_probe_interval`) until
-the source wins on its own again — so α never freezes, and a useless draft costs a bounded,
-shrinking number of rounds. A source that was winning and stopped (a few rejections pulled its
-α down) is first probed after `lapsed_probe_interval` rounds: a good draft comes back quickly.
-A session that started from the coordinator-wide draft α (`seed`) counts the draft's idle rounds
-and probe interval on the coordinator's shared `ProbeClock` instead of its own: the draft's
-acceptance belongs to the pair, so one probe refreshes it for every session, and a draft that
-does not pay is not probed again by each new session (each probe of a session that has not
-called the draft yet carries its whole history as a catch-up prefill).
-
-Token trees (`tree_expected_tokens`): where the target verifies trees and the draft grows them,
-an adaptive draft round may propose a tree of n nodes, d deep, instead of a chain: the draft's
-chain of d (the spine, accepted per position with α) plus n − d alternatives beside it. Each
-alternative is modelled as a leaf sibling of a spine node: the target takes the r-th
-alternative at a depth where it rejected the spine with probability b per alternative tried
-(`branch_alpha`, measured on tree rounds, starting from α·`branch_prior_ratio`). A tree round
-costs t_propose(d) + t_verify(n + 1): so a tree wins (by `tree_min_gain` over the best chain)
-where verification is flat and the draft unsure, a chain where each verified token costs or the
-draft is sure.
-
-The target's heads (heads_estimates.py): where the round before read them, a round may verify
-their tree instead, priced as such a tree with an α per depth and no proposal time; it is a
-source like the others (warm-up, probes), eligible only with proposals at hand.
-
-Switching costs (`Horizon`): a draft that lags the history (a new session's prompt; the tokens of
-rounds it did not propose) first prefills what it lacks, a one-off cost the round's own fit
-leaves out; heads not at hand need one plain round whose Verify reads them. Each is spread over
-the tokens the request may still commit (`spread_speedup`), so a short answer is not worth the
-draft catching up on a long prompt where the heads, one round away, do as well — and a long one is.
+`SessionPolicy.choose` picks among the sources eligible this round: a source's warm-up or probe
+first (`_explore`), else the best estimated speedup (`_best`): chains of every γ, a draft tree
+(`tree_expected_tokens`) or the heads' tree (heads_estimates.py) where they pay, switching
+costs spread over the tokens left (`Horizon`, `spread_speedup`). `observe` feeds acceptance and
+timings back; `wants_heads` says whether a round's Verify reads the heads for the next. The
+model and the reasons behind each rule: docs/design.md, "Adaptive γ and the policy" and its
+"Token trees in the policy" and "The target's heads in the policy".
 """
 
 from __future__ import annotations
@@ -226,18 +165,29 @@ class SessionPolicy:
         found = self.heads.best_round(typical, cap, lambda nodes: self.costs.relative_heads_cost(nodes, load))
         return found is not None and found[2] > max(1.0, self._last.speedup)
 
+    def draft_costs(self, gamma: int, lag: int, load: int) -> tuple[float, float]:
+        """(a draft round of γ, a catch-up on `lag` history tokens), in plain-decode steps."""
+        return self.costs.relative_cost(Source.DRAFT, gamma, load), self.costs.relative_catch_up(lag, load)
+
+    def draft_steps_within_verify(self, verified_tokens: int, load: int) -> int | None:
+        """Draft steps that take no longer than verifying `verified_tokens` at `load` (None: the
+        timings do not say yet)."""
+        budget = self.costs.verify_seconds(verified_tokens, load)
+        return None if budget is None else self.costs.steps_within(Source.DRAFT, budget)
+
+    def observe_catch_up(self, tokens: int, gamma: int, call_seconds: float) -> None:
+        """A draft call of γ that first prefilled `tokens` it lacked took `call_seconds`."""
+        self.costs.observe_catch_up(tokens, gamma, call_seconds)
+
     def observe_heads(self, outcome: TreeOutcome) -> None:
         """A heads round's outcome against its tree's spine: α per depth and b."""
         if self.heads is not None:
             self.heads.observe(outcome)
 
     def alpha(self, source: Source) -> float | None:
-        """The current acceptance estimate of a source (None before its first observed round).
-        The draft's keeps `draft_prior_weight` trials of the coordinator-wide α once that has
-        warmed up: the draft's acceptance belongs to the pair more than to the session, and a
-        session's own estimate, forgetting at alpha_decay per round, dips after a few rejections in
-        a row, and a weak prompt lookup would then take the rounds that follow. Prompt lookup's α is the session's own: it differs by far
-        between a rewrite and new text."""
+        """The current acceptance estimate of a source (None before its first observed round);
+        the draft's keeps `draft_prior_weight` trials of the coordinator-wide α once that has
+        warmed up (the pair's acceptance; design.md, "Adaptive γ and the policy")."""
         own = self.sources[source].acceptance
         shared = self._shared_draft_alpha() if source == Source.DRAFT else None
         if shared is None:

@@ -7,15 +7,13 @@ warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acce
 estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
 `RequestSpeculation`, which holds the request's override (its source, fixed γ).
 
-The planner only chooses: prompt lookup (the source in coordinator/sources/prompt_lookup.py)
-looks the session's tokens up first and hands it a `Lookup`, what it found. A round:
-``plan = spec.plan(lookup, cap, draft_available)``; a prompt-lookup plan carries the tokens of
-the lookup it chose (the source proposes them with a one-hot q); under `auto` a
-draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
-forward and keeps where it agrees (so γ draft steps may propose more than γ tokens), and an
-adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
-unsure of (specdec/runtime/drafting.py), so γ is a ceiling the draft fills only where it is sure; after
-verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
+The planner only chooses: the round loop asks the sources once what they offer the round
+(`Offers`: prompt lookup's `Lookup`, the draft's lag, the heads at hand) and a round is
+``plan = spec.plan(offers, cap, tokens_left)``. A prompt-lookup plan carries the tokens it chose
+(proposed with a one-hot q); under `auto` a draft-model plan carries them as hints, which the
+draft keeps where it agrees (γ draft steps may propose more than γ tokens), and an adaptive one
+`min_confidence`: the draft stops before γ after a token it was unsure of, so γ is a ceiling.
+After verification ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
 A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
 an adaptive request whose draft and target handle trees, the policy's choice of a tree over a
 chain (`auto_tree_budget`, session_policy.py); a tree round feeds back its spine and its alternatives.
@@ -29,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from specdec.maths.tree import TokenTree, TreeOutcome, tree_outcome
@@ -88,6 +86,19 @@ NO_LOOKUP = Lookup()  # the round does not look up (its request does not use pro
 
 
 @dataclass(frozen=True)
+class Offers:
+    """What each source can offer a round, gathered once before it is planned (the round loop
+    asks every source: RoundLoop._offers); the planner reads only this."""
+
+    lookup: Lookup = NO_LOOKUP        # prompt lookup's match and its length (NO_LOOKUP: not looked up)
+    draft_available: bool = True      # the draft tier answers (False: failing, or backed off after a timeout)
+    draft_lag: int = 0                # history tokens the draft must prefill before it proposes (0: none)
+    heads: HeadsAtHand | None = None  # the target's heads' proposals the round before read (None: none)
+    heads_served: HeadsAtHand | None = None  # what a round of the heads could be, where the session's
+    #                                          target serves them (None: no heads)
+
+
+@dataclass(frozen=True)
 class Plan:
     """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's."""
 
@@ -101,6 +112,7 @@ class Plan:
     tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain); heads: the tree's size
     branches: list[list[int]] = field(default_factory=list)  # a draft tree: prompt lookup's continuations
     #                                                           to graft on (the latest occurrence's first)
+    read_heads: bool = False    # the round's Verify reads the target's heads for the next round
 
 
 def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair_grows_trees: bool,
@@ -158,23 +170,32 @@ class RequestSpeculation:
         return ((allowed or not self.governed) and self.mode in (Source.AUTO, Source.PROMPT_LOOKUP)
                 and cap > 0 and self.fixed_gamma != 0)
 
-    def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True,
-             heads: HeadsAtHand | None = None, horizon: Horizon = NO_HORIZON) -> Plan:
-        """The next round's source and γ (at most `cap`: tokens left, context room, limits), given
-        what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used) and
-        the target's heads' proposals at hand (`heads`, None: none); an adaptive request weighs
-        switching sources (`horizon`: the draft's catch-up, a plain round that reads the heads)
-        over the tokens it has left, one that fixes its source or γ gets what it asked for.
-        allowed=False: the coordinator measured that speculation does not pay under the current
-        load (load_governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
+    def plan(self, offers: Offers, cap: int, tokens_left: int = 0, allowed: bool = True) -> Plan:
+        """The next round's source and γ (at most `cap`: tokens left, context room, limits), from
+        what the sources offer this round (`offers`; its lookup NO_LOOKUP where `looks_up` says it
+        is not used), and whether its Verify reads the target's heads for the next round. An
+        adaptive request weighs switching sources (the draft's catch-up, a plain round that reads
+        the heads) over the `tokens_left` it may still commit (0: unknown); one that fixes its
+        source or γ gets what it asked for. allowed=False: the coordinator measured that
+        speculation does not pay under the current load (load_governor.py): an adaptive request
+        decodes plainly; a fixed γ or source still holds."""
+        plan = self._choose(offers, cap, tokens_left, allowed)
+        if offers.heads_served is not None and self.policy.wants_heads(self.mode, offers.heads_served, cap,
+                                                                       self.load):
+            plan = replace(plan, read_heads=True)
+        return plan
+
+    def _choose(self, offers: Offers, cap: int, tokens_left: int, allowed: bool) -> Plan:
         if not allowed and self.governed:
             return Plan(Source.NONE, 0, [], "load")
         t0 = time.perf_counter()
+        lookup, heads = offers.lookup, offers.heads
         candidates = lookup.tokens[:cap] if self.looks_up(cap) else []
         self._order = lookup.order if candidates else 0
-        self._horizon = horizon if self.governed else NO_HORIZON
+        self._horizon = (Horizon(tokens_left, offers.draft_lag, offers.heads_served if heads is None else None)
+                         if self.governed else NO_HORIZON)
         choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
-                                    draft_available=draft_available, mode=self.mode,
+                                    draft_available=offers.draft_available, mode=self.mode,
                                     fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
                                     max_tree_nodes=self.max_tree_nodes, heads=heads if self.uses_heads else None,
                                     horizon=self._horizon)
@@ -203,11 +224,21 @@ class RequestSpeculation:
         """A round's plan with the estimates behind it, for the debug log."""
         alpha, lookup_alpha = self.policy.alpha(Source.DRAFT), self.policy.lookup_alpha(self._order)
         shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
+        draft_round, catch_up = self.policy.draft_costs(4, self._horizon.draft_lag, self.load)
         return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
                 f"{_fmt(alpha)} prompt lookup {_fmt(lookup_alpha)}; draft round of 4 costs "
-                f"{self.policy.costs.relative_cost(Source.DRAFT, 4, self.load):.2f} plain steps; load {self.load}; "
+                f"{draft_round:.2f} plain steps; load {self.load}; "
                 f"{self._horizon.tokens_left} tokens left, the draft lacks {self._horizon.draft_lag} "
-                f"({self.policy.costs.relative_catch_up(self._horizon.draft_lag, self.load):.2f} plain steps))")
+                f"({catch_up:.2f} plain steps))")
+
+    def draft_steps_within_verify(self, verified_tokens: int) -> int | None:
+        """Draft steps that take no longer than verifying `verified_tokens` now (None: the
+        timings do not say yet)."""
+        return self.policy.draft_steps_within_verify(verified_tokens, self.load)
+
+    def observe_catch_up(self, tokens: int, gamma: int, call_seconds: float) -> None:
+        """A draft call that first prefilled `tokens` of history it lacked took `call_seconds`."""
+        self.policy.observe_catch_up(tokens, gamma, call_seconds)
 
     def observe(self, source: Source, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,

@@ -51,9 +51,7 @@ def ahead_steps(rnd: Round, drafted: int, max_steps: int) -> int:
     `drafted` tokens (the next call would wait for them)."""
     steps = min(max(rnd.plan.gamma, 1) + 1, max_steps)
     if rnd.spec.fixed_gamma is None:  # adaptive: no longer than the verification it hides behind
-        costs = rnd.spec.policy.costs
-        budget = costs.verify_seconds(drafted + 1, rnd.spec.load)
-        within = None if budget is None else costs.steps_within(Source.DRAFT, budget)
+        within = rnd.spec.draft_steps_within_verify(drafted + 1)
         if within is not None:
             steps = min(steps, max(2, within))  # (a guess and one draft at least)
     return steps
