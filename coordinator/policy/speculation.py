@@ -1,25 +1,19 @@
 """Each round's plan: which source proposes (draft model, prompt lookup, the target's heads, none)
 and how many tokens.
 
-`Speculation` is one per coordinator: the round-cost model shared by all sessions, the
-acceptance per source over all sessions (a new session starts from it rather than spending
-warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acceptance
-estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
+`Speculation` is one per coordinator: the round-cost model and the acceptance per source over
+all sessions (a new session starts from it instead of warming up each source) and, per session
+in a bounded LRU, a `SessionPolicy`. `Speculation.start(...)` gives a request its
 `RequestSpeculation`, which holds the request's override (its source, fixed γ).
 
 The planner only chooses: the round loop asks the sources once what they offer the round
-(`Offers`: prompt lookup's `Lookup`, the draft's lag, the heads at hand) and a round is
-``plan = spec.plan(offers, cap, tokens_left)``. A prompt-lookup plan carries the tokens it chose
-(proposed with a one-hot q); under `auto` a draft-model plan carries them as hints, which the
-draft keeps where it agrees (γ draft steps may propose more than γ tokens), and an adaptive one
-`min_confidence`: the draft stops before γ after a token it was unsure of, so γ is a ceiling.
-After verification ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
-A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
-an adaptive request whose draft and target handle trees, the policy's choice of a tree over a
-chain (`auto_tree_budget`, session_policy.py); a tree round feeds back its spine and its alternatives.
-A heads plan (where the round before read the target's heads: `HeadsAtHand`) carries the depth
-and the size of the heads' tree; its round feeds back α per depth and b (heads_estimates.py), kept
-per set of heads (`heads_id`) over all sessions.
+(`Offers`: prompt lookup's `Lookup`, the draft's lag, the heads at hand), then
+``plan = spec.plan(offers, cap, tokens_left)``. A prompt-lookup plan carries the tokens it chose;
+under `auto` a draft-model plan carries them as hints, and an adaptive one `min_confidence` (γ
+is a ceiling); a draft plan may carry `tree_nodes` (the request's, or under --trees auto the
+policy's: `auto_tree_budget`), a heads plan its tree's depth and size. After verification
+``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back (a tree's
+spine and alternatives; a heads round's α per depth and b, per `heads_id` over all sessions).
 """
 
 from __future__ import annotations
@@ -87,8 +81,7 @@ NO_LOOKUP = Lookup()  # the round does not look up (its request does not use pro
 
 @dataclass(frozen=True)
 class Offers:
-    """What each source can offer a round, gathered once before it is planned (the round loop
-    asks every source: RoundLoop._offers); the planner reads only this."""
+    """What each source offers a round, gathered once before it is planned (RoundLoop._offers)."""
 
     lookup: Lookup = NO_LOOKUP        # prompt lookup's match and its length (NO_LOOKUP: not looked up)
     draft_available: bool = True      # the draft tier answers (False: failing, or backed off after a timeout)
@@ -171,19 +164,15 @@ class RequestSpeculation:
                 and cap > 0 and self.fixed_gamma != 0)
 
     def plan(self, offers: Offers, cap: int, tokens_left: int = 0, allowed: bool = True) -> Plan:
-        """The next round's source and γ (at most `cap`: tokens left, context room, limits), from
-        what the sources offer this round (`offers`; its lookup NO_LOOKUP where `looks_up` says it
-        is not used), and whether its Verify reads the target's heads for the next round. An
-        adaptive request weighs switching sources (the draft's catch-up, a plain round that reads
-        the heads) over the `tokens_left` it may still commit (0: unknown); one that fixes its
-        source or γ gets what it asked for. allowed=False: the coordinator measured that
-        speculation does not pay under the current load (load_governor.py): an adaptive request
-        decodes plainly; a fixed γ or source still holds."""
+        """The next round's source and γ (≤ `cap`: tokens left, context room, limits) from what the
+        sources offer it, and whether its Verify reads the heads for the next round. An adaptive
+        request weighs switching sources over the `tokens_left` it may still commit (0: unknown);
+        a fixed source or γ gets what it asked for. allowed=False: speculation does not pay under
+        the current load (load_governor.py): an adaptive request decodes plainly."""
         plan = self._choose(offers, cap, tokens_left, allowed)
-        if offers.heads_served is not None and self.policy.wants_heads(self.mode, offers.heads_served, cap,
-                                                                       self.load):
-            plan = replace(plan, read_heads=True)
-        return plan
+        served = offers.heads_served
+        return replace(plan, read_heads=served is not None and self.policy.wants_heads(
+            self.mode, served, cap, self.load))
 
     def _choose(self, offers: Offers, cap: int, tokens_left: int, allowed: bool) -> Plan:
         if not allowed and self.governed:
@@ -232,8 +221,7 @@ class RequestSpeculation:
                 f"({catch_up:.2f} plain steps))")
 
     def draft_steps_within_verify(self, verified_tokens: int) -> int | None:
-        """Draft steps that take no longer than verifying `verified_tokens` now (None: the
-        timings do not say yet)."""
+        """Draft steps no longer than verifying `verified_tokens` now (None: not measured yet)."""
         return self.policy.draft_steps_within_verify(verified_tokens, self.load)
 
     def observe_catch_up(self, tokens: int, gamma: int, call_seconds: float) -> None:
