@@ -19,7 +19,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, engine: ModelEngine, drafting: Drafting, description: ModelDescription,
                  scheduler: BatchScheduler, fingerprint: Callable[[int], str]):
         self.engine = engine
-        self.drafting = drafting  # the engine's k-step loop
+        self.drafting = drafting  # the engine's γ-step loop
         self.description = description
         self.scheduler = scheduler
         self.worker = scheduler.worker

@@ -25,7 +25,7 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.runtime.drafting import ModelProposer
 from tests.cluster import Cluster
 from tests.test_draft_hints import GREEDY, PROMPT
-from tests.test_proposers import IDS_PROMPTS, proposer, target_only
+from tests.test_sources import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
 
 GAMMA = 8

@@ -19,7 +19,7 @@ from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.runtime.drafting import ModelProposer
 from tests.cluster import Cluster
-from tests.test_proposers import IDS_PROMPTS, proposer, target_only
+from tests.test_sources import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

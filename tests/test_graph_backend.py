@@ -29,7 +29,7 @@ from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference
 from tests.test_e2e_sampling import assert_follows, exact_first_two, sampled_first_two
 from tests.test_kv_tier import history, namespace_db  # noqa: F401 - a fixture
-from tests.test_proposers import target_only
+from tests.test_sources import target_only
 
 GRAPH = {"backend": "graph", "kv_cache_bytes": 8 << 20}
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Le café est très chaud", "for i in range(10):"]

@@ -19,7 +19,7 @@ import torch
 from specdec.config import TargetConfig
 from specdec.runtime.engines import engine_from_config
 from tests.cluster import Cluster
-from tests.test_proposers import proposer, target_only
+from tests.test_sources import proposer, target_only
 
 CHUNK = 16
 

@@ -271,7 +271,7 @@ def test_the_wing_rules_can_fail():
     assert not _allowed("coordinator.sources.draft_model", "coordinator.sources.prompt_lookup")
     assert not _allowed("coordinator.policy.speculation", "coordinator.sources.lookup_index")
     assert not _allowed("coordinator.sessions.routing", "coordinator.rounds")
-    assert not _allowed("coordinator.api.servicer", "coordinator.sessions.store")
+    assert not _allowed("coordinator.api.servicer", "coordinator.sessions.session_store")
     assert not _allowed("coordinator.round_loop", "coordinator.api.servicer")
     assert _allowed("coordinator.server", "coordinator.api.servicer")
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.config import TargetConfig
-from specdec.distill.heads import HeadsData, proposal_vocabulary, vocab_coverage
+from specdec.distill.heads_training import HeadsData, proposal_vocabulary, vocab_coverage
 from specdec.distill.objectives import TopK
 from specdec.runtime.engines import engine_from_config
 from specdec.runtime.heads import (META_FILE, PROPOSAL_VOCAB_KEY, WEIGHTS_FILE, HeadsMeta, HeadsMismatch,

@@ -4,7 +4,7 @@ Every engine implements `ModelEngine` — `TorchEngine` (specdec/runtime/torch/)
 `LlamaCppEngine` (specdec/runtime/llama_cpp/) and `GraphEngine` (specdec/runtime/graph/) — and
 the draft and target services call nothing else: they build their engine
 (engines.py, `engine_from_config`), warm it up before they report SERVING, and hand their calls
-(`ProposeCall`, `VerifyCall`) to the engine's `drafting` (the draft's k-step loop) or
+(`ProposeCall`, `VerifyCall`) to the engine's `drafting` (the draft's γ-step loop) or
 `verification` (forward plus acceptance). Those two are where the per-round work lives, so each
 engine does it its own way: `SessionEngine` (session_engine.py) gives every engine the host
 loops of drafting.py and verification.py, and an engine overrides them where it has better (the
@@ -25,7 +25,7 @@ The parts of the contract:
   the verifier turns into the heads' proposals; forward_batch itself stays as it is;
 - chunked prefill of long inputs (`needs_prefill_steps`, `held_prefix`, `prefill_step`);
 - validation before any cache is touched (`check_request`, `check_token_ids`);
-- the draft's k-step loop and verification, as `Drafting` and `Verification` objects.
+- the draft's γ-step loop and verification, as `Drafting` and `Verification` objects.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def kv_tier_for(engine, config, backend: str = "torch", model_config=None, diges
                     "not cut into chunks", engine.description.model_id)
         return None
     from specdec.kv.chunks import ChunkLayout, model_fingerprint
-    from specdec.kv.store import open_chunk_store
+    from specdec.kv.chunk_store import open_chunk_store
     from specdec.kv.writer import ChunkWriter
     from specdec.runtime.kv_tier import KVTier, PrefixCache, weights_digest
 

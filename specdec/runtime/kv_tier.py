@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.kv.chunks import ChunkError, ChunkLayout, chunk_keys, decode_chunk, encode_chunk
-from specdec.kv.store import ChunkStore
+from specdec.kv.chunk_store import ChunkStore
 from specdec.kv.writer import ChunkWriter
 from specdec.runtime.kv_cache import SessionCache
 

@@ -38,7 +38,7 @@ class SessionEngine(SessionKV):
             self.finish([])
 
     def drafting(self, proposal_top_k: int) -> Drafting:
-        """The draft's k-step loop as host code over forward_batch (drafting.py)."""
+        """The draft's γ-step loop as host code over forward_batch (drafting.py)."""
         return ModelProposer(self, proposal_top_k)
 
     def verification(self) -> Verification:
