@@ -31,101 +31,95 @@ def _axes(title: str, size: tuple[float, float] = (8, 4.2)):
     fig, ax = plt.subplots(figsize=size)
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    return plt, fig, ax
+    return fig, ax
 
 
-def _footer(fig, record: dict) -> None:
+def _save(fig, ax, record: dict, path: Path, **legend) -> None:
+    """The legend, the record's date and machine at the foot, the PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=legend.pop("fontsize", 8), **legend)
     fig.text(0.01, 0.01, f"{record['date']} · {record['machine'].split(';')[0][:120]}", fontsize=6, color="0.35")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bars(ax, labels: list[str], series: list[tuple[str, list[float]]], horizontal: bool = False,
+          errors: dict[str, list[list[float]]] | None = None) -> None:
+    """Grouped bars: one group per label, one bar per (name, values) of series."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series):
+        offsets = [x + (i - len(series) / 2 + 0.5) * width for x in range(len(labels))]
+        err = (errors or {}).get(name)
+        if horizontal:
+            ax.barh(offsets, values, width, label=name)
+        else:
+            ax.bar(offsets, values, width, label=name, yerr=err, capsize=3 if err else 0)
+    if horizontal:
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    else:
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
 
 
 def plot_heads(record: dict, path: Path) -> None:
     prompts = record["prompts"]
-    plt, fig, ax = _axes("Speed-up over target-only, torch bfloat16 (run 6's heads; 2-core CPU)")
-    xs = range(len(prompts))
-    heads = [p["heads"] for p in prompts]
-    low = [p["heads"] - p["heads_low"] for p in prompts]
-    high = [p["heads_high"] - p["heads"] for p in prompts]
-    ax.bar([x - 0.2 for x in xs], heads, 0.4, yerr=[low, high], capsize=3, label="heads (median of 3, range)")
-    ax.bar([x + 0.2 for x in xs], [p["auto"] for p in prompts], 0.4, label="auto (draft / lookup / heads)")
+    fig, ax = _axes("Speed-up over target-only, torch bfloat16 (run 6's heads; 2-core CPU)")
+    heads = "heads (median of 3, range)"
+    _bars(ax, [p["prompt"] for p in prompts],
+          [(heads, [p["heads"] for p in prompts]), ("auto (draft / lookup / heads)", [p["auto"] for p in prompts])],
+          errors={heads: [[p["heads"] - p["heads_low"] for p in prompts], [p["heads_high"] - p["heads"] for p in prompts]]})
     ax.axhline(1.0, color="0.3", lw=0.8)
     ax.axhline(record["median"]["heads"], color="C0", ls="--", lw=0.8, label=f"heads median {record['median']['heads']}×")
-    ax.set_xticks(list(xs), [p["prompt"] for p in prompts], fontsize=8)
     ax.set_ylabel("× target-only decode tok/s")
-    ax.legend(fontsize=8, loc="upper right")
-    _footer(fig, record)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, record, path, loc="upper right")
 
 
 def plot_speedup(record: dict, path: Path) -> None:
     prompts, names = record["prompts"], record["methods"]
-    plt, fig, ax = _axes("Speed-up over target-only by method (speed-up suite --quick; 2-core CPU)", (9, 4.2))
-    keys = list(names)
-    width = 0.8 / len(keys)
-    for i, key in enumerate(keys):
-        ax.bar([x + (i - len(keys) / 2 + 0.5) * width for x in range(len(prompts))], [p[key] for p in prompts],
-               width, label=names[key])
+    fig, ax = _axes("Speed-up over target-only by method (speed-up suite --quick; 2-core CPU)", (9, 4.2))
+    _bars(ax, [p["prompt"] for p in prompts], [(names[key], [p[key] for p in prompts]) for key in names])
     ax.axhline(1.0, color="0.3", lw=0.8)
-    ax.set_xticks(range(len(prompts)), [p["prompt"] for p in prompts], fontsize=8)
     ax.set_ylabel("× target-only decode tok/s")
-    ax.legend(fontsize=7, ncol=4, loc="upper right")
-    ax.set_ylim(0, max(p[k] for p in prompts for k in keys) * 1.3)
-    _footer(fig, record)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.set_ylim(0, max(p[key] for p in prompts for key in names) * 1.3)
+    _save(fig, ax, record, path, fontsize=7, ncol=3, loc="upper right")
 
 
 def plot_engines(record: dict, path: Path) -> None:
     rows = record["rows"]
-    plt, fig, ax = _axes("One forward of each engine: decode step and 5-token verification (2 threads)", (9, 4.6))
-    ys = range(len(rows))
-    ax.barh([y - 0.2 for y in ys], [r["decode_ms"] for r in rows], 0.4, label="decode step (1 token)")
-    ax.barh([y + 0.2 for y in ys], [r["verify5_ms"] for r in rows], 0.4, label="verification of 5 tokens")
-    ax.set_yticks(list(ys), [f"{r['model']}: {r['variant']}" for r in rows], fontsize=7)
-    ax.invert_yaxis()
+    fig, ax = _axes("One forward of each engine: decode step and 5-token verification (2 threads)", (9, 4.6))
+    _bars(ax, [f"{r['model']}: {r['variant']}" for r in rows],
+          [("decode step (1 token)", [r["decode_ms"] for r in rows]),
+           ("verification of 5 tokens", [r["verify5_ms"] for r in rows])], horizontal=True)
     ax.set_xlabel("ms (median of 9)")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    _footer(fig, record)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, record, path, loc="lower right")
 
 
 def plot_kv_restore(record: dict, path: Path) -> None:
     rows = record["rows"]
-    plt, fig, ax = _axes("A moved session's first token: K/V restored against re-prefill (real pair, bf16)", (7, 4))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["reprefill_s"] for r in rows], 0.4, label="re-prefill the history")
-    ax.bar([x + 0.2 for x in xs], [r["restored_s"] for r in rows], 0.4, label="restore K/V chunks from Redis")
-    for x, r in zip(xs, rows):
-        ax.annotate(f"{r['reprefill_s'] / r['restored_s']:.1f}×", (x + 0.2, r["restored_s"]), ha="center",
+    fig, ax = _axes("A moved session's first token: K/V restored against re-prefill (real pair, bf16)", (7, 4))
+    _bars(ax, [f"{r['tokens']} tokens" for r in rows],
+          [("re-prefill the history", [r["reprefill_s"] for r in rows]),
+           ("restore K/V chunks from Redis", [r["restored_s"] for r in rows])])
+    for x, r in enumerate(rows):
+        ax.annotate(f"{r['ratio']:.1f}×", (x + 0.2, r["restored_s"]), ha="center",
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
-    ax.set_xticks(list(xs), [f"{r['tokens']} tokens" for r in rows])
     ax.set_ylabel("time to first token (s)")
-    ax.legend(fontsize=8)
-    _footer(fig, record)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, record, path)
 
 
 def plot_overhead(record: dict, path: Path) -> None:
     rows = record["rows"]
-    plt, fig, ax = _axes("A round's wall time: model work and orchestration (tiny pair, loopback)", (7, 4))
+    fig, ax = _axes("A round's wall time: model work and orchestration (tiny pair, loopback)", (7, 4))
     labels = [f"γ={r['gamma']} {r['rpc']}" for r in rows]
     model = [r["model_p50"] for r in rows]
-    orch = [r["wall_p50"] - r["model_p50"] for r in rows]
     ax.bar(labels, model, label="model (p50)")
-    ax.bar(labels, orch, bottom=model, label="orchestration (wall p50 − model p50)")
+    ax.bar(labels, [r["wall_p50"] - m for r, m in zip(rows, model)], bottom=model,
+           label="orchestration (wall p50 − model p50)")
     ax.set_ylabel("ms per round")
-    ax.legend(fontsize=8)
-    _footer(fig, record)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, record, path)
 
 
 PLOTS = {"heads": plot_heads, "speedup": plot_speedup, "engines": plot_engines, "kv_restore": plot_kv_restore,
