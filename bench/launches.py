@@ -8,8 +8,8 @@ Usage:
 A decode step on a GPU that does not run as a captured graph costs a kernel launch per ATen
 operation and a stall per host synchronisation; both are counted here with the torch profiler
 while the services' own code runs in this process, without gRPC or the batch scheduler: the
-target's `specdec.runtime.verification.Verifier.verify_batch` and the draft's
-`specdec.runtime.drafting.ModelProposer.propose_batch` over `specdec.runtime.torch.engine.TorchEngine`
+target's `specdec.runtime.verification.HostVerification.verify_batch` and the draft's
+`specdec.runtime.drafting.HostDrafting.propose_batch` over `specdec.runtime.torch.engine.TorchEngine`
 (the torch engine, its K/V buffers) — each engine's own per-round work, as its `drafting()` and
 `verification()` hand it to the services — and the same over the graph engine
 (`specdec.runtime.graph.engine.GraphEngine`, eager on a CPU; its verification decides a

@@ -9,7 +9,7 @@ import grpc
 from specdec.config import TargetConfig
 from specdec.rpc.model_server import serve_model
 from specdec.rpc.security import server_credentials
-from specdec.rpc.server import BackgroundServer
+from specdec.rpc.grpc_server import BackgroundServer
 from specdec.runtime.engines import engine_from_config
 from specdec.runtime.serving.scheduler import batch_scheduler
 from specdec.runtime.serving.worker import ModelWorker

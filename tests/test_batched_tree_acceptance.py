@@ -4,7 +4,7 @@
 trees, and sampled walks accept_tree_sampled's, row by row, given the same uniforms (random
 trees, p, sparse q and seeds); sampled output follows p (one pooled chi-square over the first
 token and the 2-token path, one-hot and non-one-hot q, trees whose children are all rejected);
-and through the graph engine's DeviceVerifier, a batch of trees and chains with different seeds
+and through the graph engine's DeviceVerification, a batch of trees and chains with different seeds
 gives each row what it gets alone, greedy rows what the host verifier gives."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from specdec.maths import tree_acceptance
 from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.maths.batched_acceptance import row_uniforms
 from specdec.maths.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
-from specdec.runtime.graph.device_verification import DeviceVerifier
+from specdec.runtime.graph.device_verification import DeviceVerification
 from specdec.runtime.engines import engine_from_config
 from specdec.runtime.generators import make_generator
-from specdec.runtime.verification import Verifier
+from specdec.runtime.verification import HostVerification
 from specdec.types import SamplingParams, SparseDist
 from tests.test_batched_acceptance import GivenUniforms
 from tests.test_sampling import chi2_pvalue
@@ -260,7 +260,7 @@ def verify(verifier, rows, prefix="s"):
 def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host(target):
     rows = rows_of(target)
     device = target.verification()
-    assert isinstance(device, DeviceVerifier)
+    assert isinstance(device, DeviceVerification)
     together = verify(device, list(enumerate(rows)))
     assert device.decided == {"chains": 1, "trees": 4}  # every row on the device, none on the host
     for i, row in enumerate(rows):
@@ -271,7 +271,7 @@ def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host
         assert kept == HISTORY + [i] + verdict.committed(list(rows[i][0]))[:-1]  # only the accepted path's K/V
         assert len(verdict.logprobs) == verdict.num_accepted + 1
     assert [(v.accepted_nodes, v.is_bonus) for v, _ in together[3:]] == [((3, 5), False), ((0, 3, 4), True)]
-    host = verify(Verifier(target), [(i, rows[i]) for i in (3, 4)])
+    host = verify(HostVerification(target), [(i, rows[i]) for i in (3, 4)])
     assert [together[3], together[4]] == host  # greedy trees: the host walk's path, token, K/V, logprobs
 
 

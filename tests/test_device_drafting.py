@@ -16,7 +16,7 @@ from specdec.fingerprint import fingerprint
 from specdec.maths.sampling import proposal_top_k
 from specdec.runtime.graph.batched_proposal import RowWarps, proposal_rows
 from specdec.runtime.graph.device_drafting import DeviceDrafting
-from specdec.runtime.drafting import ModelProposer
+from specdec.runtime.drafting import HostDrafting
 from specdec.runtime.engines import engine_from_config
 from specdec.runtime.graph.engine import GraphEngine
 from specdec.runtime.loader import load_model
@@ -57,7 +57,7 @@ def _summary(proposals):
 
 def test_greedy_drafts_are_the_host_loops(draft):
     engine, device = draft
-    host = ModelProposer(engine, K)
+    host = HostDrafting(engine, K)
     greedy = SamplingParams(temperature=0.0)
     assert isinstance(device, DeviceDrafting)
     before = engine.draft_loop.eager_runs
@@ -74,7 +74,7 @@ def test_a_session_continues_after_the_loop_as_after_the_host_loop(draft):
     engine, device = draft
     greedy = SamplingParams(temperature=0.0)
     outcomes = []
-    for drafting in (device, ModelProposer(engine, K)):
+    for drafting in (device, HostDrafting(engine, K)):
         first = _propose(drafting, engine, greedy, [4], release=False)[0]
         held = len(PROMPT) + 3  # the prompt, its last token and two drafts the target accepted
         assert first.cached_len == held + 1  # drafts 1..3 run, the fourth not
@@ -87,7 +87,7 @@ def test_a_session_continues_after_the_loop_as_after_the_host_loop(draft):
 
 def test_calls_outside_the_loop_take_the_host_loop_in_the_same_batch(draft):
     engine, device = draft
-    host = ModelProposer(engine, K)
+    host = HostDrafting(engine, K)
     greedy = SamplingParams(temperature=0.0)
     for kwargs in ({"hints": [3, 4]},):
         assert _summary(_propose(device, engine, greedy, [2, 3], **kwargs)) == \
@@ -174,7 +174,7 @@ def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(dra
     host loop's, node for node, and so is what each session keeps (a sampled chain draws apart:
     the device's draws are inverse-CDF, the host's multinomial)."""
     engine, device = draft
-    host = ModelProposer(engine, K)
+    host = HostDrafting(engine, K)
     # greedy: a tree 6 deep, whose window (20 nodes) is past the buckets' 16: forwards in their own
     # shape; sampled: 5 trees, forwards padded to a bucket of 8 rows
     for params, shapes in ((SamplingParams(temperature=0.0), ((2, 4), (6, 8), (3, 3), (1, 2))),

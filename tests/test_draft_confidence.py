@@ -22,7 +22,7 @@ from specdec.runtime.loader import load_model
 from specdec.runtime.engines import engine_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.runtime.drafting import ModelProposer
+from specdec.runtime.drafting import HostDrafting
 from tests.cluster import Cluster
 from tests.test_draft_hints import GREEDY, PROMPT
 from tests.test_sources import IDS_PROMPTS, proposer, target_only
@@ -46,7 +46,7 @@ def greedy_confidences(model_dir: str, prompt: list[int], tokens: list[int]) -> 
 @pytest.fixture(scope="module")
 def draft(small_vocab_models):
     engine = engine_from_config(DraftConfig(model=small_vocab_models["draft"], dtype="float64"))
-    return ModelProposer(engine, 32)
+    return HostDrafting(engine, 32)
 
 
 @pytest.mark.unit

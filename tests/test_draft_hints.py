@@ -17,7 +17,7 @@ from specdec.fingerprint import fingerprint
 from specdec.runtime.engines import engine_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.runtime.drafting import ModelProposer
+from specdec.runtime.drafting import HostDrafting
 from tests.cluster import Cluster
 from tests.test_sources import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
@@ -82,7 +82,7 @@ def test_sampled_hint_positions_are_draws_from_the_reported_q(small_vocab_models
     """With a hint at the first position, the first proposed token is still distributed as q:
     kept with probability q(hint), else drawn from q without it."""
     engine = engine_from_config(DraftConfig(model=small_vocab_models["draft"], dtype="float64"))
-    proposer_ = ModelProposer(engine, 32)
+    proposer_ = HostDrafting(engine, 32)
     prompt = [3, 7, 5, 3]
     plain = proposer_.propose_batch([proposer_.call("q", 0, 0, prompt, 1, params, 0)])[0]
     q = dict(zip(plain.draft_probs[0].token_ids, plain.draft_probs[0].probs))

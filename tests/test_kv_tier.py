@@ -312,7 +312,7 @@ def test_the_kv_store_has_a_health_name_of_its_own(models, own_redis, monkeypatc
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from specdec.rpc import server as rpc_server
+    from specdec.rpc import grpc_server as rpc_server
     from target_service import server as target_server
 
     monkeypatch.setattr(rpc_server, "DEPENDENCY_CHECK_S", 0.1)

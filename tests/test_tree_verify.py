@@ -15,7 +15,7 @@ from specdec.runtime.torch.engine import TorchEngine
 from specdec.runtime.session_kv import Row
 from specdec.maths.tree import TokenTree
 from specdec.types import SamplingParams
-from specdec.runtime.verification import Verifier
+from specdec.runtime.verification import HostVerification
 
 HISTORY = [5, 17, 42, 9, 33, 8, 21, 64, 3, 77]
 #        root (77)
@@ -97,7 +97,7 @@ def greedy_tree(engine, history: list[int], width: int, depth: int) -> TokenTree
 
 @pytest.mark.unit
 def test_greedy_verification_of_a_tree_is_the_target_alone(engine):
-    verifier = Verifier(engine)
+    verifier = HostVerification(engine)
     tree = greedy_tree(engine, HISTORY, width=3, depth=3)
     call = verifier.call("g", 0, 0, HISTORY, list(tree.tokens), [], SamplingParams(0.0), 0,
                          draft_parents=list(tree.parents))
@@ -121,7 +121,7 @@ def test_greedy_verification_of_a_tree_is_the_target_alone(engine):
 
 @pytest.mark.unit
 def test_a_tree_is_refused_where_it_cannot_be_verified(engine):
-    verifier = Verifier(engine)
+    verifier = HostVerification(engine)
     with pytest.raises(Exception, match=r"draft_parents\[1\] is 2"):
         verifier.call("x", 0, 0, HISTORY, [1, 2], [], SamplingParams(0.0), 0, draft_parents=[0, 2])
     chain = verifier.call("x", 0, 0, HISTORY, [1, 2], [], SamplingParams(0.0), 0, draft_parents=[0, 1])
@@ -184,7 +184,7 @@ def test_a_tree_grown_depth_by_depth_sees_only_its_ancestors(engine):
 
 @pytest.mark.unit
 def test_a_trees_logprobs_are_those_of_its_accepted_path(engine):
-    verifier = Verifier(engine)
+    verifier = HostVerification(engine)
     tree = greedy_tree(engine, HISTORY, width=2, depth=2)
     call = verifier.call("l", 0, 0, HISTORY, list(tree.tokens), [], SamplingParams(0.0), 0, top_logprobs=2,
                          draft_parents=list(tree.parents))

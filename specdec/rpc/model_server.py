@@ -8,7 +8,7 @@ import grpc
 
 from specdec.metrics import Metrics, serve_metrics
 from specdec.rpc.metrics_interceptor import MetricsInterceptor
-from specdec.rpc.server import BackgroundServer, start_model_server
+from specdec.rpc.grpc_server import BackgroundServer, start_model_server
 from specdec.runtime.engine import ModelEngine
 from specdec.runtime.serving.worker import ModelWorker
 

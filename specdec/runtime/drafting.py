@@ -67,7 +67,7 @@ def _greedy_confidence(logits: torch.Tensor, wanted: bool) -> list[float]:
     return torch.exp(logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).tolist()
 
 
-class ModelProposer:
+class HostDrafting:
     """A small causal LM proposes autoregressively from its top-K truncated distribution."""
 
     def __init__(self, engine: SessionKV, proposal_top_k: int):

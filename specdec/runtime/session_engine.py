@@ -4,10 +4,10 @@ overrides where it has better (the graph engine's device loops)."""
 
 from __future__ import annotations
 
-from specdec.runtime.drafting import ModelProposer
+from specdec.runtime.drafting import HostDrafting
 from specdec.runtime.engine import Drafting, Verification
 from specdec.runtime.session_kv import Row, SessionKV
-from specdec.runtime.verification import Verifier
+from specdec.runtime.verification import HostVerification
 
 WARM_UP_SESSION = "specdec-warm-up"  # the session warm_up runs and releases
 WARM_UP_TOKENS = 8  # tokens of the prompt it prefills
@@ -39,8 +39,8 @@ class SessionEngine(SessionKV):
 
     def drafting(self, proposal_top_k: int) -> Drafting:
         """The draft's γ-step loop as host code over forward_batch (drafting.py)."""
-        return ModelProposer(self, proposal_top_k)
+        return HostDrafting(self, proposal_top_k)
 
     def verification(self) -> Verification:
         """Forward plus the acceptance step row by row (verification.py)."""
-        return Verifier(self)
+        return HostVerification(self)

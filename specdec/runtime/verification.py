@@ -25,7 +25,7 @@ from specdec.types import MAX_HEAD_CANDIDATES, SamplingParams, SparseDist, Token
 log = logging.getLogger(__name__)
 
 
-class Verifier:
+class HostVerification:
     """Verification as host code over the engine's forward_batch: validate, forward, accept."""
 
     def __init__(self, engine: SessionKV):

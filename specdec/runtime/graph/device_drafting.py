@@ -28,14 +28,14 @@ from specdec.maths.tree import TREE_WIDTH
 from specdec.maths.batched_acceptance import row_uniforms
 from specdec.runtime.graph.batched_proposal import RowWarps, fits_on_device
 from specdec.runtime.graph.batched_tree_drafting import keep_slots
-from specdec.runtime.drafting import ChainDraft, ModelProposer, ProposeCall
+from specdec.runtime.drafting import ChainDraft, HostDrafting, ProposeCall
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_kv import Row
 from specdec.runtime.tree_drafting import finish_tree, growing_on, start_trees
 from specdec.types import SparseDist
 
 
-class DeviceDrafting(ModelProposer):
+class DeviceDrafting(HostDrafting):
     """Chains drafted by the engine's device loop; the rest by the host loop (module docstring)."""
 
     def draft_chains(self, live: list[ChainDraft], rows: list[Row], results: list) -> None:

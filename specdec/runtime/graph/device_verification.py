@@ -1,7 +1,7 @@
 """Verification whose acceptance step runs on the device for every row of a batch at once.
 
 The host verifier (verification.py) decides row by row and reads each decision back, several
-host synchronisations per row (per node of a tree). `DeviceVerifier` warps every row's target
+host synchronisations per row (per node of a tree). `DeviceVerification` warps every row's target
 logits (rows with the same sampling parameters together) and decides the batch's chains with
 batched_acceptance.decide and its trees with batched_tree_acceptance.decide_trees, padded to
 the largest of each: one host read per kind for the accepted counts (paths), the next tokens
@@ -25,13 +25,13 @@ from specdec.maths.batched_tree_acceptance import TreeBatch, decide_trees, fits_
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
 from specdec.runtime.session_kv import SessionKV
-from specdec.runtime.verification import Verifier, VerifyCall
+from specdec.runtime.verification import HostVerification, VerifyCall
 from specdec.types import SamplingParams, Verdict
 
 Forwarded = tuple[VerifyCall, SessionCache, torch.Tensor]  # a call, its cache, its logits [γ+1, vocab]
 
 
-class DeviceVerifier(Verifier):
+class DeviceVerification(HostVerification):
     """Chains decided together on the device, trees likewise (module docstring)."""
 
     def __init__(self, engine: SessionKV):

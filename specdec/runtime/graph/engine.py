@@ -45,7 +45,7 @@ from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_lengt
 from specdec.runtime.transfer import upload
 from specdec.runtime.graph.batched_proposal import RowWarps
 from specdec.runtime.graph.device_drafting import DeviceDrafting
-from specdec.runtime.graph.device_verification import DeviceVerifier
+from specdec.runtime.graph.device_verification import DeviceVerification
 from specdec.runtime.session_engine import SessionEngine
 from specdec.runtime.session_kv import Row
 from specdec.runtime.target_heads import TargetHeads
@@ -152,9 +152,9 @@ class GraphEngine(SessionEngine):
             log.info("%s: %d CUDA graphs captured", self.description.model_id, captured)
         super().warm_up()
 
-    def verification(self) -> DeviceVerifier:
+    def verification(self) -> DeviceVerification:
         """Chains decided together on the device, one host read per batch."""
-        return DeviceVerifier(self)
+        return DeviceVerification(self)
 
     def drafting(self, proposal_top_k: int) -> DeviceDrafting:
         """Chains drafted by the device loop (graph/draft_loop.py), one host read per batch;
