@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping, TypeVar
 
-from specdec.types import (Backend, CoreSharing, DiscoveryKind, DraftAhead, KVCacheType, Proposer, Quantization,
-                           RpcTransport, Trees)
+from specdec.types import (Backend, CoreSharing, CudaGraphs, DiscoveryKind, DraftAhead, KVCacheType, Proposer,
+                           Quantization, RpcTransport, Trees)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 TARGET_QUANTIZATIONS = (Quantization.NONE.value, Quantization.INT8.value, Quantization.INT4.value)  # no auto
@@ -56,6 +56,10 @@ class ModelServiceConfig(ServerTlsConfig):
                        "at start on CUDA), or auto (llama.cpp for a .gguf file when llama-cpp-python is "
                        "installed, graph on CUDA for the architectures it covers, else torch)",
                        choices_of(Backend))
+    cuda_graphs: str = opt("auto", "graph backend: capture CUDA graphs of its buckets at start — auto (on a CUDA "
+                           "device, unless the environment's SPECDEC_CUDA_GRAPHS says on or off), on, or off "
+                           "(every bucket runs eagerly: the same code and shapes, slower; a bucket that fails "
+                           "to capture runs eagerly anyway)", choices_of(CudaGraphs))
     dtype: str = opt("bfloat16", "weight dtype (torch and graph backends)", DTYPES)
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ... (llama.cpp: cpu, or any other value to "
                       "offload every layer to the GPU llama-cpp-python was built for)")

@@ -65,6 +65,14 @@ class Quantization(StrEnum):
     INT4 = "int4"  # weight-only 4-bit in groups of 32 inputs (CPU only)
 
 
+class CudaGraphs(StrEnum):
+    """When the graph engine captures CUDA graphs (--cuda-graphs)."""
+
+    AUTO = "auto"  # on a CUDA device (unless the environment's SPECDEC_CUDA_GRAPHS says on or off)
+    ON = "on"  # always (a CUDA device is then required)
+    OFF = "off"  # never: every bucket runs eagerly, the same code and shapes
+
+
 class Backend(StrEnum):
     """The engine a model service runs its model on (--backend)."""
 
