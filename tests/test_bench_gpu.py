@@ -129,7 +129,7 @@ def test_cpu_smoke_run_writes_every_section(tmp_path):
     assert "issue 32's targets" in proc.stdout and f"wrote {out}" in proc.stdout
 
 
-@pytest.mark.unit
+@pytest.mark.process
 def test_a_step_that_fails_in_its_process_loses_that_step_only(tmp_path):
     """The step runs in a child (a CUDA fault there leaves this process's CUDA untouched): its
     error comes back as the step's, and the run goes on to the next step."""

@@ -146,3 +146,30 @@ def test_the_pool_fraction_is_of_the_memory_capture_leaves():
     assert fraction_of_free(10_000, 0.5, 2_000) == 4_000  # half of what is free once capture's share is set aside
     assert fraction_of_free(10_000, 0.9, 0) == 9_000
     assert fraction_of_free(1_000, 0.9, 2_000) == 0  # nothing left: blocks_for then refuses the start
+
+
+def test_an_engine_captured_on_the_cpu_drafts_as_the_eager_one(small_vocab_models):
+    """The whole capture path of a draft service (forward buckets and the draft loop, shared
+    outputs, static inputs) with eager_graph standing in for CUDA graphs: the same greedy drafts,
+    with hints and without, as the engine without capture; served by replays."""
+    from specdec.runtime.graph.runner import PagedSessionRunner
+    from specdec.runtime.loader import load_model
+    from specdec.types import SamplingParams
+
+    buckets = Buckets(rows=(1, 4), tokens=(1, 5, 16))
+    engines = [PagedSessionRunner(load_model(small_vocab_models["draft"], "float64", "cpu"), 8, 8 << 20, 16,
+                                  buckets=buckets, capture=capture, capturer=eager_graph if capture else None)
+               for capture in (True, False)]
+    proposals = []
+    for engine in engines:
+        drafting = engine.drafting(8)
+        engine.warm_up()
+        greedy = SamplingParams(temperature=0.0)
+        calls = [drafting.call(f"s{i}", 0, 0, [5, 9, 1, 3, 10, 7, i], 3 + i, greedy, i, hints=[4] * (i % 2))
+                 for i in range(3)]
+        proposals.append([(p.draft_tokens, p.hints_kept, p.cached_len) for p in drafting.propose_batch(calls)])
+    captured, eager = engines
+    assert proposals[0] == proposals[1]
+    assert len(captured.graph.graphs) == len(captured.graph.shapes) == 6 and len(captured.draft_loop.graphs) == 8
+    assert captured.graph.replays > 0 and captured.draft_loop.replays > 0
+    assert eager.graph.replays == 0 and eager.draft_loop.replays == 0
