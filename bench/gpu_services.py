@@ -61,8 +61,10 @@ class Up:
             raise self.error
         if self.proc is None:
             try:
-                root = Path(self.models["target"].path).parent
-                self.log_path = str(root / f"services-{self.draft}.log")
+                # beside the JSON: the models' directory is deleted once the shape is measured
+                name = f"services-{self.models['target'].shape}-{self.draft}.log"
+                self.log_path = str(Path(self.run.out).parent / name)
+                Path(self.log_path).unlink(missing_ok=True)  # an earlier run's
                 started = time.monotonic()
                 self.proc = self.stack.enter_context(gpu_steps.services(
                     self.models[self.draft].path, self.models["target"].path, self.options, self.run.live,
