@@ -104,3 +104,14 @@ def test_resp3_nulls_are_misses(redis_url):
     with RedisChunkStore(url, ttl_s=60, namespace=f"test:kv:{uuid.uuid4().hex}:") as store:
         store.put_many([(keys[1], values[1])])
         assert store.get_many(keys) == [None, values[1]]
+
+
+@pytest.mark.service
+def test_the_read_benchmark_reads_both_paths(redis_url):
+    from bench.kv_read import measure, table
+
+    rows = measure(redis_url, lambda size: ChunkLayout(2, 1, 4, torch.bfloat16, size), [70], [16, 32], 1)
+    assert [(r["tokens"], r["chunk_tokens"], r["chunks"]) for r in rows] == [(70, 16, 4), (70, 32, 2)]
+    assert rows[0]["bytes"] == 4 * (HEADER_BYTES + 2 * 2 * 1 * 16 * 4 * 2)
+    assert all(r[f"{p}_mb_s"] > 0 for r in rows for p in ("mget", "stream", "read"))
+    assert "speed-up" in table(rows)
