@@ -32,6 +32,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from contextlib import closing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -362,10 +363,11 @@ class RedisChunkStore(ChunkStore):
         done = 0  # values handed to the caller
         for attempt in (1, 2):  # a second try only for a broken pooled connection, before any value
             try:
-                for value in pipelined_values(names, self._pool_of(self._redis()), buffers):
-                    done += 1
-                    self.counters.add(**({"misses": 1} if value is None else {"hits": 1, "bytes_read": len(value)}))
-                    yield value
+                with closing(pipelined_values(names, self._pool_of(self._redis()), buffers)) as values:
+                    for value in values:  # stopped early: closing() lets go of the connections now
+                        done += 1
+                        self.counters.add(**({"misses": 1} if value is None else {"hits": 1, "bytes_read": len(value)}))
+                        yield value
                 self._succeeded()
                 return
             except ResponseError as exc:  # MOVED during a resharding, WRONGTYPE...: not an outage
