@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -349,14 +349,18 @@ class GraphEngine(SessionEngine):
         """A copy of the session's K/V at positions [begin, end) -> [layers, 2, kv_heads, n, head_dim]."""
         return self.kv.read(entry.kv.pool_id, begin, end)
 
-    def load_chunks(self, entry: SessionCache, chunks: list[torch.Tensor], tokens: Sequence[int]) -> None:
-        """Append `tokens` whose K/V are the chunks (each [layers, 2, kv_heads, n, head_dim]) in order."""
-        if sum(chunk.shape[3] for chunk in chunks) != len(tokens):
-            raise ValueError(f"{sum(c.shape[3] for c in chunks)} positions of chunks for {len(tokens)} tokens")
+    def load_chunks(self, entry: SessionCache, chunks: Iterable[torch.Tensor], tokens: Sequence[int]) -> int:
+        """Append the leading tokens of `tokens` whose K/V are the chunks (each [layers, 2,
+        kv_heads, n, head_dim], valid until the next is asked for), in order; the count appended."""
         self.kv.reserve({entry.kv.pool_id: len(tokens)})  # all or nothing
+        loaded = 0
         for chunk in chunks:
+            if loaded + chunk.shape[3] > len(tokens):
+                raise ValueError(f"more positions of chunks than the {len(tokens)} tokens")
             self.kv.extend(entry.kv.pool_id, chunk)
-        entry.append(tokens)
+            loaded += chunk.shape[3]
+        entry.append(tokens[:loaded])
+        return loaded
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Every tensor of the model (for the weights digest of K/V chunks shared by replicas)."""
