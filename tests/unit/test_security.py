@@ -1,0 +1,13 @@
+"""Transport security over real servers: TLS on the public port, the API key, mutual TLS
+between the coordinator and the tiers, and start-up errors for bad files."""
+
+from __future__ import annotations
+
+from specdec.rpc.security import bearer_token
+
+
+def test_bearer_token_parsing():
+    assert bearer_token([("authorization", "Bearer abc ")]) == "abc"
+    assert bearer_token([("authorization", "bearer abc")]) == "abc"
+    assert bearer_token([("authorization", "Basic abc")]) == ""
+    assert bearer_token([("x-other", "Bearer abc")]) is None
