@@ -63,39 +63,9 @@ def small_vocab_models(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="session")
-def near_draft(small_vocab_models, tmp_path_factory) -> str:
-    """The target with its output layer scaled by 1.2 (and its tokenizer): a draft a little
-    sharper than the target, agreeing with it often, so guesses of the bonus are often right."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from specdec.runtime.loader import load_model
-
-    target = small_vocab_models["target"]
-    model = load_model(target, "float32").model
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(1.2)
-    path = tmp_path_factory.mktemp("near-draft")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(target).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    """The HTTP API of the module's own `cluster` fixture (one with http_port set)."""
-    return f"http://127.0.0.1:{cluster.coordinator.http_port}"
-
-
-@pytest.fixture(scope="module")
-def model_id(cluster):
-    """The model name the module's `cluster` serves (the first of its served names)."""
-    return cluster.coordinator.served_model_names[0]
-
-
 @pytest.fixture(scope="module")
 def llama_cluster(models):
+    """The llama pair served with the defaults (draft, target and coordinator in this process)."""
     with Cluster(models["llama"]["draft"], models["llama"]["target"]) as cluster:
         yield cluster
 

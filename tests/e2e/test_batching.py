@@ -7,6 +7,9 @@ same requests run one at a time on services that never batch. At the service lev
 worker is held while calls queue, so they run as one batch for certain: rollbacks of different
 lengths, mixed γ, a cache miss and a bad request in one batch, each compared with the same call
 run alone. The K/V buffers are checked against the DynamicCache path they replace.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_batching.py and
+tests/service/test_batching.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Chat rendering: a continuation turn renders only the new messages, without the template's
-conversation start (Qwen2.5's default system prompt) a second time."""
+conversation start (Qwen2.5's default system prompt) a second time.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_chat.py.
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ rounds) and with an unrelated draft (guesses mostly wrong: the calls made ahead 
 and the draft's cache rolls back on the next call), at adaptive and fixed γ; a fixed γ is
 still exactly γ. Sampled output over all requests, drafting ahead on, follows the target's
 distribution: tests/e2e/test_sampled_sources.py.
+
+Here the e2e tests; the other tiers' are in tests/process/test_draft_ahead.py.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ their distribution (chi-square of the second token, which only exists when the f
 the cache then holds the call's tokens but the last, as after any call. A bad threshold is
 INVALID_ARGUMENT over gRPC. End to end: greedy output equals the target's with early stops
 happening, and a fixed γ is never cut.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_draft_confidence.py and
+tests/service/test_draft_confidence.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """A slow draft costs a few rounds, never a whole request: a replica's first (cold) Propose has
 --draft-cold-deadline-s, and a request whose draft call timed out backs off for 1, 2, 4, ...
-rounds, then uses the draft again. The target decides every token: the output never changes."""
+rounds, then uses the draft again. The target decides every token: the output never changes.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_draft_deadline.py.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The target does not trust the draft's distributions: every bad row is INVALID_ARGUMENT naming it.
 
 Straight against a real target service, then the pure validator on the cases a protobuf
-message can carry."""
+message can carry.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_draft_q.py.
+"""
 
 from __future__ import annotations
 
@@ -39,28 +42,28 @@ BAD_ROWS = {
 
 
 @pytest.fixture
-def target(llama_cluster):
+def cluster_target(llama_cluster):
     with grpc.insecure_channel(f"127.0.0.1:{llama_cluster.target_port}") as channel:
         yield target_pb2_grpc.TargetServiceStub(channel)
 
 
 @pytest.mark.parametrize("case", list(BAD_ROWS), ids=list(BAD_ROWS))
-def test_target_rejects_bad_draft_probs_naming_the_row(target, case):
+def test_target_rejects_bad_draft_probs_naming_the_row(cluster_target, case):
     bad, words = BAD_ROWS[case]
     request = target_pb2.VerifyRequest(session_id=f"q-{case}", prefix_len=0, new_tokens=[1, 2, 3],
                                        draft_tokens=[5, 6], draft_probs=[GOOD, bad], sampling=SAMPLED, seed=1)
     with pytest.raises(grpc.RpcError) as info:
-        target.Verify(request, timeout=10)
+        cluster_target.Verify(request, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "draft_probs[1]" in info.value.details() and words in info.value.details(), info.value.details()
 
 
-def test_target_accepts_good_rows_and_greedy_ignores_them(target):
-    ok = target.Verify(target_pb2.VerifyRequest(session_id="q-ok", prefix_len=0, new_tokens=[1, 2, 3],
+def test_target_accepts_good_rows_and_greedy_ignores_them(cluster_target):
+    ok = cluster_target.Verify(target_pb2.VerifyRequest(session_id="q-ok", prefix_len=0, new_tokens=[1, 2, 3],
                                                 draft_tokens=[5, 6], draft_probs=[GOOD, _row([6], [1.0])],
                                                 sampling=SAMPLED, seed=1), timeout=10)
     assert 0 <= ok.num_accepted <= 2
     greedy = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
-    ok = target.Verify(target_pb2.VerifyRequest(session_id="q-greedy", prefix_len=0, new_tokens=[1, 2, 3],
+    ok = cluster_target.Verify(target_pb2.VerifyRequest(session_id="q-greedy", prefix_len=0, new_tokens=[1, 2, 3],
                                                 draft_tokens=[5], sampling=greedy), timeout=10)
     assert ok.num_accepted in (0, 1)

@@ -6,6 +6,9 @@ engine, token for token, alone and batched; sampled output follows the target's 
 (computed from the llama.cpp target's own logits); rollback, eviction and cache misses; and a
 mixed deployment (a torch draft and a llama.cpp target, or the other way round) accepted when
 the vocabularies agree and refused when they do not.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_llama_backend.py and
+tests/service/test_llama_backend.py.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def gguf_pair(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(gguf_pair):
+def llama_engine(gguf_pair):
     engine = LlamaCppEngine(gguf_pair["target"], 8, 1 << 30, 16, 512,
                             LlamaOptions(kv_cache_type="f32", kv_cache_tokens=1024))
     yield engine
@@ -89,14 +92,14 @@ def _greedy_margin(engine, text: str, steps: int) -> float:
     return min(gaps)
 
 
-def test_batched_sessions_match_their_runs_alone(llama_pair_cluster, engine):
+def test_batched_sessions_match_their_runs_alone(llama_pair_cluster, llama_engine):
     """Eight concurrent requests share the services' batched decodes; each gets its own output.
 
     Which sessions share a decode depends on timing, and llama.cpp's float32 logits move by
     about 1.5e-3 with the batch's shape, so a greedy near-tie could flip: the prompts' paths are
     checked to have no tie that close first."""
     for prompt in PROMPTS:
-        assert _greedy_margin(engine, prompt, NEW_TOKENS) > MIN_MARGIN, prompt
+        assert _greedy_margin(llama_engine, prompt, NEW_TOKENS) > MIN_MARGIN, prompt
     expected = {p: list(llama_pair_cluster.complete(prompt=p, max_new_tokens=NEW_TOKENS, proposer=NONE,
                                                     ignore_eos=True).token_ids) for p in PROMPTS}
     jobs = [(p, g) for p in PROMPTS for g in (2, 4)]
@@ -133,9 +136,9 @@ def _exact_first_two(engine: LlamaCppEngine, prompt: list[int], params: Sampling
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=6),
                                     SamplingParams(temperature=1.5, top_k=10, top_p=0.95)],
                          ids=["t0.8-topk6", "t1.5-topk10-topp0.95"])
-def test_sampled_tokens_follow_the_llama_cpp_target(llama_pair_cluster, engine, params):
-    prompt = _ids(engine, "ab")
-    p1, p2 = _exact_first_two(engine, prompt, params)
+def test_sampled_tokens_follow_the_llama_cpp_target(llama_pair_cluster, llama_engine, params):
+    prompt = _ids(llama_engine, "ab")
+    p1, p2 = _exact_first_two(llama_engine, prompt, params)
     samples = 600
     counts1, counts2 = np.zeros(len(p1)), np.zeros(len(p1))
     accepted = 0

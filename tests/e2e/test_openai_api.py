@@ -28,7 +28,7 @@ EXTRA = {"ignore_eos": True, "num_speculative_tokens": 2, "proposer": "draft"}
 
 
 @pytest.fixture(scope="module")
-def cluster(models):
+def http_cluster(models):
     with Cluster(models["llama"]["draft"], models["llama"]["target"], coordinator={"http_port": -1}) as cluster:
         yield cluster
 
@@ -44,19 +44,19 @@ def grpc_greedy(cluster, max_new_tokens: int, **input_fields):
                             num_speculative_tokens=2, **input_fields)
 
 
-def test_health_and_models(base_url, client, cluster, model_id):
+def test_health_and_models(base_url, client, http_cluster, model_id):
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     listing = httpx.get(f"{base_url}/v1/models").json()
     assert listing["object"] == "list"
     [entry] = listing["data"]
     assert entry["id"] == model_id and entry["object"] == "model" and entry["owned_by"] == "specdec"
-    assert entry["max_model_len"] == cluster.coordinator.round_loop.context_length
+    assert entry["max_model_len"] == http_cluster.coordinator.round_loop.context_length
     assert isinstance(entry["created"], int)
     assert [m.id for m in client.models.list()] == [model_id]
 
 
-def test_completion_greedy_matches_grpc(cluster, client, model_id):
-    expected = grpc_greedy(cluster, 12, prompt=PROMPT)
+def test_completion_greedy_matches_grpc(http_cluster, client, model_id):
+    expected = grpc_greedy(http_cluster, 12, prompt=PROMPT)
     reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, extra_body=EXTRA, **GREEDY)
     assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
     [choice] = reply.choices
@@ -66,8 +66,8 @@ def test_completion_greedy_matches_grpc(cluster, client, model_id):
     specdec = reply.model_extra["specdec"]
     assert specdec["session_id"] and specdec["rounds"] == expected.stats.rounds
     # token ids as the prompt, and a one-element batch
-    ids = list(cluster.coordinator.round_loop.tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
-    by_ids = grpc_greedy(cluster, 6, token_ids=ids)
+    ids = list(http_cluster.coordinator.round_loop.tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+    by_ids = grpc_greedy(http_cluster, 6, token_ids=ids)
     assert client.completions.create(model=model_id, prompt=ids, max_tokens=6, extra_body=EXTRA,
                                      **GREEDY).choices[0].text == by_ids.text
     assert client.completions.create(model=model_id, prompt=[PROMPT], max_tokens=12, extra_body=EXTRA,
@@ -82,9 +82,9 @@ def test_completion_greedy_matches_grpc(cluster, client, model_id):
         c.model_extra["specdec"]["session_id"] for c in chunks)
 
 
-def test_chat_greedy_matches_grpc(cluster, client, base_url, model_id):
+def test_chat_greedy_matches_grpc(http_cluster, client, base_url, model_id):
     messages = [("system", "Be brief."), ("user", "Explain quicksort.")]
-    expected = grpc_greedy(cluster, 10, messages=messages)
+    expected = grpc_greedy(http_cluster, 10, messages=messages)
     as_dicts = [{"role": r, "content": c} for r, c in messages]
     reply = client.chat.completions.create(model=model_id, messages=as_dicts, max_completion_tokens=10,
                                            extra_body=EXTRA, **GREEDY)
@@ -111,10 +111,10 @@ def test_chat_greedy_matches_grpc(cluster, client, base_url, model_id):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
-def test_logprobs_match_grpc(cluster, client, base_url, model_id):
+def test_logprobs_match_grpc(http_cluster, client, base_url, model_id):
     """The target's log-probabilities, as the gRPC API returns them, in OpenAI's two shapes."""
-    expected = grpc_greedy(cluster, 8, prompt=PROMPT, top_logprobs=3)
-    decode = TokenText(cluster.coordinator.round_loop.tokenizer)  # a token's name: its text, or its bytes
+    expected = grpc_greedy(http_cluster, 8, prompt=PROMPT, top_logprobs=3)
+    decode = TokenText(http_cluster.coordinator.round_loop.tokenizer)  # a token's name: its text, or its bytes
     names = [decode(entry.token_id) for entry in expected.logprobs]
     reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, logprobs=3,
                                       extra_body=EXTRA, **GREEDY)
@@ -128,7 +128,7 @@ def test_logprobs_match_grpc(cluster, client, base_url, model_id):
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
     # chat, streamed through the async client: each chunk's tokens with their alternatives
     messages = [{"role": "user", "content": "Explain quicksort."}]
-    chat_expected = grpc_greedy(cluster, 8, messages=[("user", "Explain quicksort.")], top_logprobs=2)
+    chat_expected = grpc_greedy(http_cluster, 8, messages=[("user", "Explain quicksort.")], top_logprobs=2)
 
     async def streamed() -> list:
         async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as aclient:
@@ -301,20 +301,20 @@ def committed_tokens(cluster, session_id: str) -> list[int]:
     return list(cluster.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session_id)).token_ids)
 
 
-def test_disconnect_before_a_whole_response_frees_the_session(cluster, client, base_url, model_id):
+def test_disconnect_before_a_whole_response_frees_the_session(http_cluster, client, base_url, model_id):
     """A non-streamed request whose client gives up is cancelled at once, its tokens kept."""
     first = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, extra_body=EXTRA, **GREEDY)
     session_id = first.model_extra["specdec"]["session_id"]
-    held = len(committed_tokens(cluster, session_id))
+    held = len(committed_tokens(http_cluster, session_id))
     body = {"model": model_id, "prompt": " more", "max_tokens": 2000, "session_id": session_id,
             **GREEDY, **EXTRA}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 2000 tokens
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     started = time.monotonic()
-    while cluster.coordinator.round_loop.active:  # the generation stops within a round or two
+    while http_cluster.coordinator.round_loop.active:  # the generation stops within a round or two
         assert time.monotonic() - started < 5, "the abandoned request is still generating"
         time.sleep(0.05)
-    kept = committed_tokens(cluster, session_id)
+    kept = committed_tokens(http_cluster, session_id)
     assert held < len(kept) < held + 2000  # what it committed before the client left is kept
     reply = client.completions.create(model=model_id, prompt=" again", max_tokens=2,
                                       extra_body={**EXTRA, "session_id": session_id}, **GREEDY)
@@ -345,10 +345,10 @@ def generating(cluster, url: str, model_id: str):
     assert replies[0].json()["usage"]["completion_tokens"] == 4
 
 
-def test_a_busy_session_is_409(cluster, base_url, model_id):
+def test_a_busy_session_is_409(http_cluster, base_url, model_id):
     """A second request on a session that is generating: the gRPC API's FAILED_PRECONDITION."""
     url = f"{base_url}/v1/completions"
-    with generating(cluster, url, model_id) as (session_id, continued):
+    with generating(http_cluster, url, model_id) as (session_id, continued):
         error = _error(httpx.post(url, json=continued, timeout=60), 409)
         assert error["code"] == "conflict" and session_id in error["message"]  # the caller's own id
 

@@ -325,13 +325,13 @@ def check_stream(call: Call, response: httpx.Response) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(models):
+def http_cluster(models):
     with Cluster(models["llama"]["draft"], models["llama"]["target"], dtype="float32",
                  coordinator={"http_port": -1, "max_new_tokens_limit": LIMIT, "default_max_new_tokens": 4}) as cluster:
         yield cluster
 
 
-def test_fuzz_openai_bodies(cluster, base_url, model_id):
+def test_fuzz_openai_bodies(http_cluster, base_url, model_id):
     http = httpx.Client(base_url=base_url, timeout=60)
     sessions = []
     for prompt in ("one", "two", "three"):  # sessions the fuzz continues
@@ -411,11 +411,11 @@ def test_fuzz_openai_bodies(cluster, base_url, model_id):
 
     # the servers are up and serve as before, with nothing left running
     deadline = time.monotonic() + 10
-    while cluster.coordinator.round_loop.active:
+    while http_cluster.coordinator.round_loop.active:
         assert time.monotonic() < deadline, "a fuzzed request is still counted as generating"
         time.sleep(0.05)
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
-    for port in (cluster.draft_port, cluster.target_port, cluster.coordinator.port):
+    for port in (http_cluster.draft_port, http_cluster.target_port, http_cluster.coordinator.port):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.SERVING

@@ -6,6 +6,8 @@ draft and target services at once. The store's lease and versioned
 appends keep the committed history a single line; the prefix fingerprints keep each service
 from verifying on KV that holds another coordinator's tokens. Every generated token of the
 final history must be the target's greedy choice after the tokens before it.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_race.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Surviving faults with real processes: services killed or stalled, Redis stopped, clients
-cancelling, caches evicted. Greedy output must equal an uninterrupted run; nothing committed is lost."""
+cancelling, caches evicted. Greedy output must equal an uninterrupted run; nothing committed is lost.
+
+Here the e2e tests; the other tiers' are in tests/process/test_resilience.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Service tier: health, reflection, model info, KV cache bounds, start-up checks."""
+"""Service tier: health, reflection, model info, KV cache bounds, start-up checks.
+
+Here the e2e tests; the other tiers' are in tests/unit/test_services.py and
+tests/service/test_services.py.
+"""
 
 from __future__ import annotations
 

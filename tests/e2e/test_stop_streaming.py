@@ -10,17 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster import Cluster
 
 PROMPT = "The quick brown fox"
 NEW_TOKENS = 32
 FINISH_STOP = 3  # FINISH_REASON_STOP
-
-
-@pytest.fixture(scope="module")
-def cluster(models):
-    with Cluster(models["llama"]["draft"], models["llama"]["target"]) as running:
-        yield running
 
 
 def _spanning_stop(deltas: list[str]) -> tuple[str, int]:
@@ -44,9 +37,9 @@ def _spanning_stop(deltas: list[str]) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("gamma", [0, 3])
-def test_streamed_deltas_hold_back_a_partial_stop_string(cluster, gamma):
+def test_streamed_deltas_hold_back_a_partial_stop_string(llama_cluster, gamma):
     # one token per chunk (γ = 0): each chunk's delta is that token's text
-    plain = cluster.stream(prompt=PROMPT, max_new_tokens=NEW_TOKENS, num_speculative_tokens=0,
+    plain = llama_cluster.stream(prompt=PROMPT, max_new_tokens=NEW_TOKENS, num_speculative_tokens=0,
                            ignore_eos=True)
     assert all(len(c.token_ids) == 1 for c in plain)
     deltas = [c.text for c in plain]
@@ -54,7 +47,7 @@ def test_streamed_deltas_hold_back_a_partial_stop_string(cluster, gamma):
     text = "".join(deltas)
     assert start > 0 and stop not in text[:start]
 
-    chunks = cluster.stream(prompt=PROMPT, max_new_tokens=NEW_TOKENS, num_speculative_tokens=gamma,
+    chunks = llama_cluster.stream(prompt=PROMPT, max_new_tokens=NEW_TOKENS, num_speculative_tokens=gamma,
                             ignore_eos=True, stop=[stop])
     assert chunks[-1].finish_reason == FINISH_STOP
     streamed = ""

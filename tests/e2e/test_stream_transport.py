@@ -1,7 +1,10 @@
 """Propose and Verify over call streams (ProposeStream / VerifyStream, the coordinator's default
 transport) against the same calls as unary RPCs: same output, same errors, same batching; a
 stream that breaks fails its calls like a dead server and is opened anew; a server without the
-stream methods gets unary calls. Real servers on loopback, tiny float64 models."""
+stream methods gets unary calls. Real servers on loopback, tiny float64 models.
+
+Here the e2e tests; the other tiers' are in tests/service/test_stream_transport.py.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import grpc
 
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
-from tests.service.test_stream_transport import MethodLog, run, target, draft
+from tests.service.test_stream_transport import MethodLog, run
 
 
 # ---- through the coordinator -----------------------------------------------------------------

@@ -1,6 +1,9 @@
 """bench/gpu.py end to end on a CPU (--device cpu --quick: the tiny shape and specdec_cli.tiny's
 tokenizer): every section of its JSON is there with sane numbers; and how it shares out its
-deadline."""
+deadline.
+
+Here the process tests; the other tiers' are in tests/unit/test_bench_gpu.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """bench/overhead.py's link sweep (--link-delay-ms): the delays it takes, the proxy process it
 puts in front of each service, and how it turns the timed cells into its rows and its
-drafting-ahead comparison."""
+drafting-ahead comparison.
+
+Here the process tests; the other tiers' are in tests/unit/test_bench_overhead.py.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from tests.echo_server import echo_server
 
 
 @pytest.fixture
-def echo():
+def echo_port():
     with echo_server() as address:
         yield address[1]
 
@@ -30,8 +33,8 @@ def _round_trip(sock: socket.socket) -> float:
     return time.perf_counter() - started
 
 
-def test_the_proxy_process_delays_both_ways_and_takes_a_new_delay(echo):
-    proxy = overhead_links.LinkProcess(f"127.0.0.1:{echo}", 10.0, 0.0)
+def test_the_proxy_process_delays_both_ways_and_takes_a_new_delay(echo_port):
+    proxy = overhead_links.LinkProcess(f"127.0.0.1:{echo_port}", 10.0, 0.0)
     try:
         host, port = proxy.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:

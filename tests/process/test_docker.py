@@ -4,6 +4,9 @@ the properties the deployment relies on; compose's commands are run through the 
 health check runs against real gRPC servers on loopback; the scripts pass shellcheck. Building
 and running the images (docker/smoke.sh) takes minutes and a container engine: it runs only with
 SPECDEC_TEST_IMAGES=1.
+
+Here the process tests; the other tiers' are in tests/unit/test_docker.py and
+tests/service/test_docker.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Recording what the target committed (coordinator/recording.py, specdec/records.py): off by
 default, one record per finished request, never a salted request's text, bounded in bytes and
-in stream entries, and readable after the coordinator was killed."""
+in stream entries, and readable after the coordinator was killed.
+
+Here the process tests; the other tiers' are in tests/unit/test_recording.py and
+tests/e2e/test_recording.py.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,10 @@ trees, and sampled walks accept_tree_sampled's, row by row, given the same unifo
 trees, p, sparse q and seeds); sampled output follows p (one pooled chi-square over the first
 token and the 2-token path, one-hot and non-one-hot q, trees whose children are all rejected);
 and through the graph engine's DeviceVerification, a batch of trees and chains with different seeds
-gives each row what it gets alone, greedy rows what the host verifier gives."""
+gives each row what it gets alone, greedy rows what the host verifier gives.
+
+Here the service tests; the other tiers' are in tests/unit/test_batched_tree_acceptance.py.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from tests.unit.test_batched_tree_acceptance import VOCAB
 
 
 @pytest.fixture(scope="module")
-def target(small_vocab_models):
+def graph_target(small_vocab_models):
     """The 12-token target on the graph engine, float64."""
     return engine_from_config(TargetConfig(model=small_vocab_models["target"], backend="graph", dtype="float64",
                                            kv_cache_bytes=8 << 20))
@@ -77,9 +80,9 @@ def verify(verifier, rows, prefix="s"):
     return list(zip(verdicts, kept))
 
 
-def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host(target):
-    rows = rows_of(target)
-    device = target.verification()
+def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host(graph_target):
+    rows = rows_of(graph_target)
+    device = graph_target.verification()
     assert isinstance(device, DeviceVerification)
     together = verify(device, list(enumerate(rows)))
     assert device.decided == {"chains": 1, "trees": 4}  # every row on the device, none on the host
@@ -91,16 +94,16 @@ def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host
         assert kept == HISTORY + [i] + verdict.committed(list(rows[i][0]))[:-1]  # only the accepted path's K/V
         assert len(verdict.logprobs) == verdict.num_accepted + 1
     assert [(v.accepted_nodes, v.is_bonus) for v, _ in together[3:]] == [((3, 5), False), ((0, 3, 4), True)]
-    host = verify(HostVerification(target), [(i, rows[i]) for i in (3, 4)])
+    host = verify(HostVerification(graph_target), [(i, rows[i]) for i in (3, 4)])
     assert [together[3], together[4]] == host  # greedy trees: the host walk's path, token, K/V, logprobs
 
 
-def test_a_tree_too_wide_for_the_device_step_is_decided_on_the_host(target, monkeypatch):
+def test_a_tree_too_wide_for_the_device_step_is_decided_on_the_host(graph_target, monkeypatch):
     import specdec.maths.batched_tree_acceptance as module
 
     monkeypatch.setattr(module, "MAX_POINTS", 4)  # 3 children × (one-hot q + 1) = 6 points: too many
-    rows = rows_of(target)
-    device = target.verification()
+    rows = rows_of(graph_target)
+    device = graph_target.verification()
     (verdict, kept), = verify(device, [(0, rows[0])])
     assert device.decided == {"chains": 0, "trees": 0}  # the host walk decided it
     assert kept == HISTORY + [0] + verdict.committed(list(rows[0][0]))[:-1]

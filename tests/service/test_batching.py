@@ -7,6 +7,9 @@ same requests run one at a time on services that never batch. At the service lev
 worker is held while calls queue, so they run as one batch for certain: rollbacks of different
 lengths, mixed γ, a cache miss and a bad request in one batch, each compared with the same call
 run alone. The K/V buffers are checked against the DynamicCache path they replace.
+
+Here the service tests; the other tiers' are in tests/unit/test_batching.py and
+tests/e2e/test_batching.py.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def _history(rng: random.Random) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def target(models):
+def batching_target(models):
     config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=_free_port(), batch_wait_ms=5.0)
     server, port, servicer = target_server.start(config)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -54,7 +57,7 @@ def target(models):
 
 
 @pytest.fixture(scope="module")
-def draft(models):
+def batching_draft(models):
     config = DraftConfig(model=models["llama"]["draft"], dtype="float64", port=_free_port(), batch_wait_ms=5.0,
                          max_queue=64)
     server, port, servicer = draft_server.start(config)
@@ -95,8 +98,8 @@ def _verify_requests(prefix: str, histories: list[list[int]], model, rng: random
     return requests
 
 
-def test_one_verify_batch_equals_each_call_alone(target):
-    stub, servicer = target
+def test_one_verify_batch_equals_each_call_alone(batching_target):
+    stub, servicer = batching_target
     rng = random.Random(3)
     histories = [_history(rng) for _ in range(7)]
     requests = _verify_requests("v", histories, servicer.engine.model, random.Random(4))
@@ -126,8 +129,8 @@ def test_one_verify_batch_equals_each_call_alone(target):
     assert len({o[1].num_accepted for o in outcomes[:-1]}) > 2, "rollbacks of one length only: a weak test"
 
 
-def test_one_propose_batch_equals_each_call_alone(draft):
-    stub, servicer = draft
+def test_one_propose_batch_equals_each_call_alone(batching_draft):
+    stub, servicer = batching_draft
     rng = random.Random(5)
     histories = [_history(rng) for _ in range(8)]
     requests = []

@@ -4,6 +4,9 @@ The real-world case: a GPT-2-architecture draft saved with a Qwen2-architecture 
 tokenizer files. AutoTokenizer picks Qwen2Tokenizer for the target, which adds
 `<|endoftext|>` as an unk token past the model's embedding; the draft's tokenizer lacks it.
 Neither model can emit that id, so the pair is compatible.
+
+Here the service tests; the other tiers' are in tests/unit/test_compat.py and
+tests/e2e/test_compat.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ K = 8  # a proposal top-K smaller than the vocabulary, so truncation shows
 
 
 @pytest.fixture(scope="module")
-def draft(small_vocab_models):
+def device_draft(small_vocab_models):
     """A 12-token draft on the graph engine, float64, its device loop made and warmed up."""
     engine = engine_from_config(DraftConfig(model=small_vocab_models["draft"], backend="graph", dtype="float64",
                                             kv_cache_bytes=8 << 20, proposal_top_k=K))
@@ -53,8 +53,8 @@ def _summary(proposals):
     return [(p.draft_tokens, p.draft_probs, p.cached_len, p.hints_kept) for p in proposals]
 
 
-def test_greedy_drafts_are_the_host_loops(draft):
-    engine, device = draft
+def test_greedy_drafts_are_the_host_loops(device_draft):
+    engine, device = device_draft
     host = HostDrafting(engine, K)
     greedy = SamplingParams(temperature=0.0)
     assert isinstance(device, DeviceDrafting)
@@ -67,9 +67,9 @@ def test_greedy_drafts_are_the_host_loops(draft):
     assert len(engine.caches) == 0
 
 
-def test_a_session_continues_after_the_loop_as_after_the_host_loop(draft):
+def test_a_session_continues_after_the_loop_as_after_the_host_loop(device_draft):
     """The K/V the loop keeps (drafts run, none past the last) serves the next call's rollback."""
-    engine, device = draft
+    engine, device = device_draft
     greedy = SamplingParams(temperature=0.0)
     outcomes = []
     for drafting in (device, HostDrafting(engine, K)):
@@ -83,8 +83,8 @@ def test_a_session_continues_after_the_loop_as_after_the_host_loop(draft):
     assert outcomes[0] == outcomes[1]
 
 
-def test_calls_outside_the_loop_take_the_host_loop_in_the_same_batch(draft):
-    engine, device = draft
+def test_calls_outside_the_loop_take_the_host_loop_in_the_same_batch(device_draft):
+    engine, device = device_draft
     host = HostDrafting(engine, K)
     greedy = SamplingParams(temperature=0.0)
     for kwargs in ({"hints": [3, 4]},):
@@ -122,10 +122,10 @@ def _reference_q(engine, history, params):
     return dense
 
 
-def test_sampled_drafts_are_draws_from_their_q(draft):
+def test_sampled_drafts_are_draws_from_their_q(device_draft):
     """Pooled over every call: the first draft against q after the prompt, the second against
     each call's own q after its first draft (computed apart from the loop), chi-square."""
-    engine, device = draft
+    engine, device = device_draft
     params = SamplingParams(temperature=1.0, top_k=6)
     first_q = _reference_q(engine, PROMPT, params)
     counts, expected = np.zeros((2, engine.vocab_size)), np.zeros((2, engine.vocab_size))
@@ -148,8 +148,8 @@ def test_sampled_drafts_are_draws_from_their_q(draft):
         assert chi2_pvalue(counts[step][support], expected[step][support]) > 1e-3
 
 
-def test_a_seeded_call_drafts_alike_whatever_shares_its_batch(draft):
-    engine, device = draft
+def test_a_seeded_call_drafts_alike_whatever_shares_its_batch(device_draft):
+    engine, device = device_draft
     params = SamplingParams(temperature=1.0)
     alone = _propose(device, engine, params, [4], seeds=[7])[0]
     together = _propose(device, engine, params, [4, 2, 3], seeds=[7, 8, 9])[0]
@@ -166,12 +166,12 @@ def test_the_loop_reads_the_device_once_per_batch():
         assert launches.measure_row(rows, spec, repeats=1, warmup=1).syncs == 1
 
 
-def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(draft):
+def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(device_draft):
     """Trees of several depths and budgets, greedy and sampled (a tree's children are picked by
     rank: deterministic either way), beside a chain in one batch: the device's trees are the
     host loop's, node for node, and so is what each session keeps (a sampled chain draws apart:
     the device's draws are inverse-CDF, the host's multinomial)."""
-    engine, device = draft
+    engine, device = device_draft
     host = HostDrafting(engine, K)
     # greedy: a tree 6 deep, whose window (20 nodes) is past the buckets' 16: forwards in their own
     # shape; sampled: 5 trees, forwards padded to a bucket of 8 rows
@@ -193,10 +193,10 @@ def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(dra
     assert device.tree_loops > 0
 
 
-def test_a_tree_the_pool_cannot_hold_fails_alone_and_keeps_the_history(draft, small_vocab_models):
+def test_a_tree_the_pool_cannot_hold_fails_alone_and_keeps_the_history(device_draft, small_vocab_models):
     """The loop's node slots are allocated up front: a pool too small for them refuses the
     tree calls (RESOURCE_EXHAUSTED), the session keeps its history, a shallower tree then grows."""
-    engine, _ = draft
+    engine, _ = device_draft
     block = engine.kv_spec.bytes_per_block
     engine = GraphEngine(load_model(small_vocab_models["draft"], "float64"), 8, 3 * block, 16,
                          block_size=16)  # 3 blocks: the null block and 32 tokens for sessions

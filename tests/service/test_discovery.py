@@ -1,4 +1,8 @@
-"""Replica discovery: static lists, and Kubernetes EndpointSlices watched through a local fake API."""
+"""Replica discovery: static lists, and Kubernetes EndpointSlices watched through a local fake API.
+
+Here the service tests; the other tiers' are in tests/unit/test_discovery.py and
+tests/e2e/test_discovery.py.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ the properties the deployment relies on; compose's commands are run through the 
 health check runs against real gRPC servers on loopback; the scripts pass shellcheck. Building
 and running the images (docker/smoke.sh) takes minutes and a container engine: it runs only with
 SPECDEC_TEST_IMAGES=1.
+
+Here the service tests; the other tiers' are in tests/unit/test_docker.py and
+tests/process/test_docker.py.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Path:
+def probe_pki(tmp_path_factory) -> Path:
     """A CA and one certificate for the name the chart's probes check, usable by both ends."""
     if not shutil.which("openssl"):
         pytest.skip("openssl is not installed (.ci/run installs it)")
@@ -71,20 +74,20 @@ def pki(tmp_path_factory) -> Path:
     return d
 
 
-def test_healthcheck_speaks_mutual_tls_like_the_chart_probes(pki, capsys):
+def test_healthcheck_speaks_mutual_tls_like_the_chart_probes(probe_pki, capsys):
     """The probe the chart runs on a tier with internal mTLS: the pod's own certificate as the
     client certificate, its ca.crt as the root, the internal server name."""
     import grpc
 
     credentials = grpc.ssl_server_credentials(
-        [((pki / "tls.key").read_bytes(), (pki / "tls.crt").read_bytes())],
-        root_certificates=(pki / "ca.crt").read_bytes(), require_client_auth=True)
+        [((probe_pki / "tls.key").read_bytes(), (probe_pki / "tls.crt").read_bytes())],
+        root_certificates=(probe_pki / "ca.crt").read_bytes(), require_client_auth=True)
     server, port = _health_server(credentials)
     address = f"127.0.0.1:{port}"
-    tls = [f"--ca-file={pki / 'ca.crt'}", "--server-name=specdec-internal"]
+    tls = [f"--ca-file={probe_pki / 'ca.crt'}", "--server-name=specdec-internal"]
     try:
-        assert healthcheck.main([address, *tls, f"--cert-file={pki / 'tls.crt'}",
-                                 f"--key-file={pki / 'tls.key'}", "--timeout", "5"]) == 0
+        assert healthcheck.main([address, *tls, f"--cert-file={probe_pki / 'tls.crt'}",
+                                 f"--key-file={probe_pki / 'tls.key'}", "--timeout", "5"]) == 0
         # no client certificate: the server refuses the handshake
         assert healthcheck.main([address, *tls, "--timeout", "2"]) == 1
         # plaintext against a TLS port fails too

@@ -6,6 +6,9 @@ another replica give the logits a prefill gives, exactly; chunks that are missin
 another model's are never used; a store that is down costs nothing but the prefill; drafts a
 call made ahead carries are never kept. End to end, a session moved to fresh replicas
 continues with the tokens it would have produced where it was (greedy and seeded sampling).
+
+Here the service tests; the other tiers' are in tests/unit/test_kv_tier.py and
+tests/e2e/test_kv_tier.py.
 """
 
 from __future__ import annotations

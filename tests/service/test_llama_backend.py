@@ -6,6 +6,9 @@ engine, token for token, alone and batched; sampled output follows the target's 
 (computed from the llama.cpp target's own logits); rollback, eviction and cache misses; and a
 mixed deployment (a torch draft and a llama.cpp target, or the other way round) accepted when
 the vocabularies agree and refused when they do not.
+
+Here the service tests; the other tiers' are in tests/unit/test_llama_backend.py and
+tests/e2e/test_llama_backend.py.
 """
 
 from __future__ import annotations

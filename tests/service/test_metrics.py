@@ -1,4 +1,7 @@
-"""Prometheus metrics: a real /metrics endpoint on an ephemeral port, scraped over HTTP."""
+"""Prometheus metrics: a real /metrics endpoint on an ephemeral port, scraped over HTTP.
+
+Here the service tests; the other tiers' are in tests/unit/test_metrics.py.
+"""
 
 from __future__ import annotations
 
@@ -28,15 +31,15 @@ def value(samples: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture
-def served():
+def served_metrics():
     metrics = Metrics("coordinator")
     server = metrics.serve(0)
     yield metrics, server
     server.stop()
 
 
-def test_rounds_move_the_counters_by_exactly_what_was_recorded(served):
-    metrics, server = served
+def test_rounds_move_the_counters_by_exactly_what_was_recorded(served_metrics):
+    metrics, server = served_metrics
     metrics.record_round("draft", 3, 2, {"draft": 0.002, "verify": 0.015})  # earlier traffic
     before = scrape(server.port)
     metrics.record_round("draft", 4, 3, {"draft": 0.004, "verify": 0.020, "coordinator": 0.0005})
@@ -80,8 +83,8 @@ def test_rounds_move_the_counters_by_exactly_what_was_recorded(served):
     assert len(info) == 1 and info[0][0]["service"] == "coordinator" and info[0][1] == 1
 
 
-def test_requests_gauges_and_batches(served):
-    coordinator, coordinator_server = served
+def test_requests_gauges_and_batches(served_metrics):
+    coordinator, coordinator_server = served_metrics
     metrics = Metrics("target")
     server = metrics.serve(0)
     metrics.record_request("Generate", grpc.StatusCode.OK)

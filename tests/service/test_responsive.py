@@ -21,7 +21,7 @@ BUSY_S = 4.0
 
 
 @pytest.fixture
-def target(models):
+def short_queue_target(models):
     config = TargetConfig(model=models["llama"]["target"], dtype="float64", port=_free_port(), max_queue=2)
     server, port, servicer = target_server.start(config)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -43,8 +43,8 @@ def _hold_the_model(servicer) -> threading.Event:
     return started
 
 
-def test_health_and_release_answer_while_the_model_is_busy(target):
-    stub, health, servicer = target
+def test_health_and_release_answer_while_the_model_is_busy(short_queue_target):
+    stub, health, servicer = short_queue_target
     stub.Verify(target_pb2.VerifyRequest(session_id="held", prefix_len=0, new_tokens=[1, 2, 3], sampling=GREEDY))
     _hold_the_model(servicer)
     t0 = time.monotonic()
@@ -57,8 +57,8 @@ def test_health_and_release_answer_while_the_model_is_busy(target):
     print(f"health answered in {health_s * 1000:.1f} ms while the model was busy")
 
 
-def test_calls_past_their_deadline_are_dropped_and_the_queue_is_bounded(target):
-    stub, _, servicer = target
+def test_calls_past_their_deadline_are_dropped_and_the_queue_is_bounded(short_queue_target):
+    stub, _, servicer = short_queue_target
     engine = servicer.engine
     _hold_the_model(servicer)
     before = engine.tokens_run

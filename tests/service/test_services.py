@@ -1,4 +1,8 @@
-"""Service tier: health, reflection, model info, KV cache bounds, start-up checks."""
+"""Service tier: health, reflection, model info, KV cache bounds, start-up checks.
+
+Here the service tests; the other tiers' are in tests/unit/test_services.py and
+tests/e2e/test_services.py.
+"""
 
 from __future__ import annotations
 

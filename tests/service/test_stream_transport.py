@@ -1,7 +1,10 @@
 """Propose and Verify over call streams (ProposeStream / VerifyStream, the coordinator's default
 transport) against the same calls as unary RPCs: same output, same errors, same batching; a
 stream that breaks fails its calls like a dead server and is opened anew; a server without the
-stream methods gets unary calls. Real servers on loopback, tiny float64 models."""
+stream methods gets unary calls. Real servers on loopback, tiny float64 models.
+
+Here the service tests; the other tiers' are in tests/e2e/test_stream_transport.py.
+"""
 
 from __future__ import annotations
 
@@ -69,14 +72,14 @@ def start_target(models, port: int = 0, **fields):
 
 
 @pytest.fixture(scope="module")
-def target(models):
+def logged_target(models):
     server, port, servicer, log = start_target(models, max_queue=8)
     yield f"127.0.0.1:{port}", servicer, log
     server.stop(None).wait()
 
 
 @pytest.fixture(scope="module")
-def draft(models):
+def logged_draft(models):
     log = MethodLog()
     config = DraftConfig(model=models["llama"]["draft"], dtype="float64", port=_free_port(), batch_wait_ms=5.0)
     server, port, servicer = draft_server.start(config, [log])
@@ -100,8 +103,8 @@ async def _failure(call) -> errors.SpecdecError:
 
 # ---- the call stream of one client ---------------------------------------------------------
 
-def test_concurrent_calls_of_many_sessions_share_one_stream_and_one_batch(target, run):
-    address, servicer, log = target
+def test_concurrent_calls_of_many_sessions_share_one_stream_and_one_batch(logged_target, run):
+    address, servicer, log = logged_target
     histories = [[(7 * i + j) % 300 + 1 for j in range(5 + 3 * i)] for i in range(6)]
 
     async def scenario():
@@ -131,8 +134,8 @@ def test_concurrent_calls_of_many_sessions_share_one_stream_and_one_batch(target
     assert methods.count("VerifyStream") == 1 and methods.count("Verify") == 2 * len(histories)
 
 
-def test_bad_request_gets_the_unary_error_and_the_stream_goes_on(target, run):
-    address, servicer, log = target
+def test_bad_request_gets_the_unary_error_and_the_stream_goes_on(logged_target, run):
+    address, servicer, log = logged_target
 
     async def scenario():
         streamed, unary = (TargetClient(address, 30, MB16, transport=t) for t in ("stream", "unary"))
@@ -159,8 +162,8 @@ def test_bad_request_gets_the_unary_error_and_the_stream_goes_on(target, run):
     run(scenario())
 
 
-def test_a_full_queue_answers_resource_exhausted_with_its_retry_hint(target, run):
-    address, servicer, _ = target
+def test_a_full_queue_answers_resource_exhausted_with_its_retry_hint(logged_target, run):
+    address, servicer, _ = logged_target
 
     async def scenario():
         streamed, unary = (TargetClient(address, 30, MB16, transport=t) for t in ("stream", "unary"))
@@ -180,8 +183,8 @@ def test_a_full_queue_answers_resource_exhausted_with_its_retry_hint(target, run
     run(scenario())
 
 
-def test_a_call_whose_deadline_passed_while_queued_is_dropped(target, run):
-    address, servicer, _ = target
+def test_a_call_whose_deadline_passed_while_queued_is_dropped(logged_target, run):
+    address, servicer, _ = logged_target
 
     async def scenario():
         client = TargetClient(address, 0.3, MB16)  # rpc timeout 0.3 s
@@ -212,8 +215,8 @@ def test_a_call_whose_deadline_passed_while_queued_is_dropped(target, run):
     run(scenario())
 
 
-def test_a_cancelled_caller_drops_its_call_and_the_stream_serves_on(draft, run):
-    address, servicer, _ = draft
+def test_a_cancelled_caller_drops_its_call_and_the_stream_serves_on(logged_draft, run):
+    address, servicer, _ = logged_draft
 
     async def scenario():
         client = DraftClient(address, 30, MB16)

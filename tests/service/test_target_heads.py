@@ -3,7 +3,10 @@ per head, the top tokens an independent computation gives — the HF model's fin
 the position whose logits chose next_token, through the heads and the model's own output layer —
 for γ = 0, a chain with a rejection, a fully accepted chain, a tree, and all of them batched
 together; on the torch and the graph engines, in float64 and float32. Heads of another model and
-the llama.cpp engine are refused at start; a target without heads returns none."""
+the llama.cpp engine are refused at start; a target without heads returns none.
+
+Here the service tests; the other tiers' are in tests/unit/test_target_heads.py.
+"""
 
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def heads_dirs(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{e}-{d}" for e, d in ENGINES])
-def served(request, models, heads_dirs):
+def heads_target(request, models, heads_dirs):
     """A target service with heads, its stub, servicer, the HF model and the heads (its dtype)."""
     engine, dtype = request.param
     config = TargetConfig(model=models["llama"]["target"], dtype=dtype, backend=engine, kv_cache_bytes=8 << 20,
@@ -115,8 +118,8 @@ def assert_proposals(got: target_pb2.VerifyResponse, want: list[tuple[list[int],
         assert list(dist.probs) == pytest.approx(probs, abs=1e-5), f"{what}, head {k + 1}"
 
 
-def test_verify_returns_the_heads_proposals_alone_and_batched(served):
-    stub, servicer, hf, heads = served
+def test_verify_returns_the_heads_proposals_alone_and_batched(heads_target):
+    stub, servicer, hf, heads = heads_target
     cases = scenarios(hf)
     wants = [expected(hf, heads, path, request.head_candidates) for request, path in cases]
     alone = []
@@ -149,8 +152,8 @@ def test_verify_returns_the_heads_proposals_alone_and_batched(served):
     assert not batched[-1].head_proposals and batched[-1].next_token == alone[0].next_token
 
 
-def test_model_info_reports_the_heads(served, heads_dirs):
-    stub, servicer, _, _ = served
+def test_model_info_reports_the_heads(heads_target, heads_dirs):
+    stub, servicer, _, _ = heads_target
     info = stub.GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest(), timeout=10).info
     assert info.num_heads == NUM_HEADS and len(info.heads_id) == 32
     assert info.heads_id == servicer.engine.heads.heads_id
@@ -158,8 +161,8 @@ def test_model_info_reports_the_heads(served, heads_dirs):
 
 
 @pytest.mark.parametrize("candidates", [-1, 33])
-def test_head_candidates_out_of_range_is_invalid(served, candidates):
-    stub = served[0]
+def test_head_candidates_out_of_range_is_invalid(heads_target, candidates):
+    stub = heads_target[0]
     with pytest.raises(grpc.RpcError) as error:
         stub.Verify(target_pb2.VerifyRequest(session_id="bad", prefix_len=0, new_tokens=[1, 2], sampling=GREEDY,
                                              head_candidates=candidates), timeout=30)

@@ -1,6 +1,9 @@
 """A token tree verified in one target forward (engine, verifier, Verify over gRPC): each node's
 logits are those of its own path run alone, only the accepted path's K/V stay, and greedy
-output is the target's own (float64)."""
+output is the target's own (float64).
+
+Here the service tests; the other tiers' are in tests/unit/test_tree_verify.py.
+"""
 
 from __future__ import annotations
 

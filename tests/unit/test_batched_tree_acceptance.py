@@ -5,7 +5,10 @@ trees, and sampled walks accept_tree_sampled's, row by row, given the same unifo
 trees, p, sparse q and seeds); sampled output follows p (one pooled chi-square over the first
 token and the 2-token path, one-hot and non-one-hot q, trees whose children are all rejected);
 and through the graph engine's DeviceVerification, a batch of trees and chains with different seeds
-gives each row what it gets alone, greedy rows what the host verifier gives."""
+gives each row what it gets alone, greedy rows what the host verifier gives.
+
+Here the unit tests; the other tiers' are in tests/service/test_batched_tree_acceptance.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """bench/load.py end to end against real services on a tiny pair: an open-loop load at two small
 rates whose JSON adds up, and a full coordinator's refusals counted as 429s with Retry-After;
-its schedule and its summaries as pure functions."""
+its schedule and its summaries as pure functions.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_bench_load.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """bench/overhead.py's link sweep (--link-delay-ms): the delays it takes, the proxy process it
 puts in front of each service, and how it turns the timed cells into its rows and its
-drafting-ahead comparison."""
+drafting-ahead comparison.
+
+Here the unit tests; the other tiers' are in tests/process/test_bench_overhead.py.
+"""
 
 from __future__ import annotations
 

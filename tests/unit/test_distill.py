@@ -1,6 +1,10 @@
 """`specdec distill` (specdec/distill/): an unrelated tiny draft learns a tiny target, a draft
 equal to the target stays equal, the losses are what they say, a run resumes exactly, LoRA
-merges into a plain checkpoint, and the written draft serves."""
+merges into a plain checkpoint, and the written draft serves.
+
+Here the unit tests; the other tiers' are in tests/service/test_distill.py and
+tests/e2e/test_distill.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """A draft model swapped without downtime: the coordinator keeps what it learnt of a draft (α,
 b, step costs) per model fingerprint, so a new model behind the same address starts from its
-own rounds, never its predecessor's, and the old model's estimates stay as they were."""
+own rounds, never its predecessor's, and the old model's estimates stay as they were.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_draft_swap.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""A service notices that its KV holds a different history than the call assumes."""
+"""A service notices that its KV holds a different history than the call assumes.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_fingerprint.py.
+"""
 
 from __future__ import annotations
 

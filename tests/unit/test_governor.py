@@ -1,4 +1,7 @@
-"""The load governor: short trials of speculation against plain decoding, the winner held."""
+"""The load governor: short trials of speculation against plain decoding, the winner held.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_governor.py.
+"""
 
 from __future__ import annotations
 

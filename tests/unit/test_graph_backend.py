@@ -5,6 +5,8 @@ Greedy output through the three services equals the HF model alone, token for to
 and float32), for chains and trees, concurrent sessions batched, continuations and resends
 after lost caches; sampled output follows the target's distribution (chi-square); a graph draft
 beside an HF target and the other way round; the pool's LRU bound and its K/V chunks.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_graph_backend.py.
 """
 
 from __future__ import annotations

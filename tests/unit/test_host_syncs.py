@@ -16,7 +16,7 @@ from specdec.maths.tree import TokenTree
 
 
 @pytest.fixture(scope="module")
-def engine():
+def launches_engine():
     model, _ = launches.build_model("tiny")
     return launches.make_engine(model)
 
@@ -28,28 +28,28 @@ def _counts(engine, history: int, drafts: int = 0, tree: bool = False, service: 
     return launches.measure_row(rows, spec, repeats=1, warmup=1)
 
 
-def test_a_target_only_verify_synchronises_once(engine):
-    counts = _counts(engine, 32)
+def test_a_target_only_verify_synchronises_once(launches_engine):
+    counts = _counts(launches_engine, 32)
     assert counts.syncs == 1, counts  # the verdict's token read back; no upload, no item()
     assert counts.reads == 1
 
 
-def test_a_sampled_target_only_verify_synchronises_once(engine):
-    counts = _counts(engine, 32, temperature=1.0)
+def test_a_sampled_target_only_verify_synchronises_once(launches_engine):
+    counts = _counts(launches_engine, 32, temperature=1.0)
     assert counts.syncs == 1, counts  # the drawn token; no check of an empty q
 
 
 @pytest.mark.parametrize("drafts,tree", [(4, False), (6, True)])
-def test_a_verification_synchronises_once(engine, drafts, tree):
-    assert _counts(engine, 32, drafts, tree).syncs == 1
+def test_a_verification_synchronises_once(launches_engine, drafts, tree):
+    assert _counts(launches_engine, 32, drafts, tree).syncs == 1
 
 
-def test_a_greedy_draft_step_synchronises_once(engine):
-    assert _counts(engine, 32, 1, service="draft").syncs == 1
+def test_a_greedy_draft_step_synchronises_once(launches_engine):
+    assert _counts(launches_engine, 32, 1, service="draft").syncs == 1
 
 
-def test_no_per_call_work_grows_with_the_history(engine):
-    short, long = _counts(engine, 24), _counts(engine, 600)
+def test_no_per_call_work_grows_with_the_history(launches_engine):
+    short, long = _counts(launches_engine, 24), _counts(launches_engine, 600)
     assert (long.aten_ops, long.launches, long.syncs) == (short.aten_ops, short.launches, short.syncs)
 
 

@@ -1,5 +1,8 @@
 """The K/V chunk store (specdec/kv/chunk_store.py): Redis and memory stores, the back-off of a store
-that is down, credentials kept out of messages, and the background writer that never blocks."""
+that is down, credentials kept out of messages, and the background writer that never blocks.
+
+Here the unit tests; the other tiers' are in tests/service/test_kv_store.py.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ engine, token for token, alone and batched; sampled output follows the target's 
 (computed from the llama.cpp target's own logits); rollback, eviction and cache misses; and a
 mixed deployment (a torch draft and a llama.cpp target, or the other way round) accepted when
 the vocabularies agree and refused when they do not.
+
+Here the unit tests; the other tiers' are in tests/service/test_llama_backend.py and
+tests/e2e/test_llama_backend.py.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from specdec.runtime.llama_cpp.engine import LlamaOptions, LlamaCppEngine
 from specdec.runtime.session_kv import Row
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend
-from tests.e2e.test_llama_backend import PROMPTS, gguf_pair, engine, _ids, _fresh
+from tests.e2e.test_llama_backend import PROMPTS, gguf_pair, llama_engine, _ids, _fresh
 # llama.cpp's float32 kernels differ with the batch shape: logits agree to about 1e-4 of their range
 TOLERANCE = 1e-3
 
@@ -34,28 +37,28 @@ def test_backend_choice():
         resolve_backend("onnx", "m.gguf")
 
 
-def test_batched_sequences_and_rollback_agree_with_one_session(engine):
-    ids = _ids(engine, " ".join(PROMPTS))
+def test_batched_sequences_and_rollback_agree_with_one_session(llama_engine):
+    ids = _ids(llama_engine, " ".join(PROMPTS))
     assert len(ids) >= 10
-    alone = engine.forward("a", _fresh(engine, "a"), ids, len(ids))  # [n, vocab]
-    assert alone.shape == (len(ids), engine.vocab_size) and alone.dtype == torch.float32
+    alone = llama_engine.forward("a", _fresh(llama_engine, "a"), ids, len(ids))  # [n, vocab]
+    assert alone.shape == (len(ids), llama_engine.vocab_size) and alone.dtype == torch.float32
     # token by token (what target-only decoding runs) against the one forward (what verification runs)
-    entry = _fresh(engine, "b")
-    stepped = torch.cat([engine.forward("b", entry, [t], 1) for t in ids])
+    entry = _fresh(llama_engine, "b")
+    stepped = torch.cat([llama_engine.forward("b", entry, [t], 1) for t in ids])
     assert torch.allclose(stepped, alone, atol=TOLERANCE * float(alone.abs().max()))
     # two sessions of different lengths in one decode
-    first, second = _fresh(engine, "c"), _fresh(engine, "d")
-    together = engine.forward_batch([Row("c", first, ids, len(ids)), Row("d", second, ids[:5], 2)])
+    first, second = _fresh(llama_engine, "c"), _fresh(llama_engine, "d")
+    together = llama_engine.forward_batch([Row("c", first, ids, len(ids)), Row("d", second, ids[:5], 2)])
     assert torch.allclose(together[0], alone, atol=TOLERANCE * float(alone.abs().max()))
     assert torch.allclose(together[1], alone[3:5], atol=TOLERANCE * float(alone.abs().max()))
     # rollback: drop the last positions, run other tokens, then the original ones again
     assert first.crop(4) and len(first) == 4
-    other = engine.forward("c", first, [7, 8, 9], 3)
+    other = llama_engine.forward("c", first, [7, 8, 9], 3)
     assert not torch.allclose(other, alone[4:7])
     assert first.crop(4)
-    again = engine.forward("c", first, ids[4:], len(ids) - 4)
+    again = llama_engine.forward("c", first, ids[4:], len(ids) - 4)
     assert torch.allclose(again, alone[4:], atol=TOLERANCE * float(alone.abs().max()))
-    assert engine.tokens_run > 0 and len(engine.caches) == 4
+    assert llama_engine.tokens_run > 0 and len(llama_engine.caches) == 4
 
 
 #        root                n0 the chain, n1 an alternative under the root; n3 beside n2
@@ -68,42 +71,42 @@ def test_batched_sequences_and_rollback_agree_with_one_session(engine):
 TREE_PARENTS = (0, 0, 1, 1, 2, 3)
 
 
-def test_a_tree_forward_scores_each_node_as_its_path_alone(engine):
+def test_a_tree_forward_scores_each_node_as_its_path_alone(llama_engine):
     """One decode of a tree beside a chain: each node's logits are those of its own path run
     alone (sequence sets mask it to the history and its ancestors); keep_path leaves the session
     holding exactly the history and the accepted path, and frees the spare sequences."""
     from specdec.maths.tree import TokenTree
 
-    history = _ids(engine, PROMPTS[0])
+    history = _ids(llama_engine, PROMPTS[0])
     nodes = (11, 12, 13, 14, 15, 16)
     tree = TokenTree(nodes, TREE_PARENTS)
-    free = len(engine.free)
-    entry, beside = _fresh(engine, "tree"), _fresh(engine, "chain")
-    engine.forward("tree", entry, history[:-2], 1)  # part of the history in the cache already
-    out = engine.forward_batch([Row("tree", entry, history[-2:] + list(nodes), 1 + len(tree), tree),
+    free = len(llama_engine.free)
+    entry, beside = _fresh(llama_engine, "tree"), _fresh(llama_engine, "chain")
+    llama_engine.forward("tree", entry, history[:-2], 1)  # part of the history in the cache already
+    out = llama_engine.forward_batch([Row("tree", entry, history[-2:] + list(nodes), 1 + len(tree), tree),
                                 Row("chain", beside, history, 3)])
-    assert len(engine.free) == free - 2 - 3  # two sessions, three leaves (n4, n5 and n3)
+    assert len(llama_engine.free) == free - 2 - 3  # two sessions, three leaves (n4, n5 and n3)
     scale = TOLERANCE * float(out[0].abs().max())
     for node in range(len(tree)):
         path = [nodes[i] for i in tree.path(node)]
-        alone = engine.forward("alone", _fresh(engine, "alone"), history + path, 1)
+        alone = llama_engine.forward("alone", _fresh(llama_engine, "alone"), history + path, 1)
         assert torch.allclose(out[0][1 + node], alone[0], atol=scale), node
-    root = engine.forward("alone", _fresh(engine, "alone"), history, 1)
+    root = llama_engine.forward("alone", _fresh(llama_engine, "alone"), history, 1)
     assert torch.allclose(out[0][0], root[0], atol=scale)
     # keep n1 -> n4: the session then continues as if history + n1 n4 had been fed
-    engine.keep_path(entry, len(history), [1, 4])
+    llama_engine.keep_path(entry, len(history), [1, 4])
     assert list(entry.tokens) == history + [12, 15] and entry.kv.length == len(history) + 2
-    assert len(engine.free) == free - 3  # the leaves' sequences are free again ("alone" holds one)
-    after = engine.forward("tree", entry, [17], 1)
-    fresh = engine.forward("alone", _fresh(engine, "alone"), history + [12, 15, 17], 1)
+    assert len(llama_engine.free) == free - 3  # the leaves' sequences are free again ("alone" holds one)
+    after = llama_engine.forward("tree", entry, [17], 1)
+    fresh = llama_engine.forward("alone", _fresh(llama_engine, "alone"), history + [12, 15, 17], 1)
     assert torch.allclose(after, fresh, atol=scale)
     # a path of nothing: the history only
-    entry2 = _fresh(engine, "tree2")
-    engine.forward_batch([Row("tree2", entry2, history + list(nodes), 1 + len(tree), tree)])
-    engine.keep_path(entry2, len(history), [])
+    entry2 = _fresh(llama_engine, "tree2")
+    llama_engine.forward_batch([Row("tree2", entry2, history + list(nodes), 1 + len(tree), tree)])
+    llama_engine.keep_path(entry2, len(history), [])
     assert list(entry2.tokens) == history and entry2.kv.length == len(history)
-    assert torch.allclose(engine.forward("tree2", entry2, [17], 1),
-                          engine.forward("alone", _fresh(engine, "alone"), history + [17], 1), atol=scale)
+    assert torch.allclose(llama_engine.forward("tree2", entry2, [17], 1),
+                          llama_engine.forward("alone", _fresh(llama_engine, "alone"), history + [17], 1), atol=scale)
 
 
 def test_released_and_evicted_sequences_are_reused(gguf_pair):

@@ -1,4 +1,7 @@
-"""Session ids are bearer secrets: logs at INFO and above never contain them, only a tag."""
+"""Session ids are bearer secrets: logs at INFO and above never contain them, only a tag.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_log_secrets.py.
+"""
 
 from __future__ import annotations
 

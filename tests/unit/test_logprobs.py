@@ -1,5 +1,8 @@
 """Log-probabilities of emitted tokens (specdec/maths/logprobs.py): the pure function on hand-built
-logits, and end to end through the gRPC API against the target model run alone."""
+logits, and end to end through the gRPC API against the target model run alone.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_logprobs.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Prometheus metrics: a real /metrics endpoint on an ephemeral port, scraped over HTTP."""
+"""Prometheus metrics: a real /metrics endpoint on an ephemeral port, scraped over HTTP.
+
+Here the unit tests; the other tiers' are in tests/service/test_metrics.py.
+"""
 
 from __future__ import annotations
 

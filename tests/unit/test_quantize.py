@@ -1,5 +1,8 @@
 """Weight-only int8 / int4 linear layers (--quantize): a quantized draft keeps the output, a
-quantized target serves exactly its own (quantized) greedy output."""
+quantized target serves exactly its own (quantized) greedy output.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_quantize.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """The Redis session store against a real redis-server: leases (one per request, renewed, taken over),
-versioned appends, long sessions, TTL, auth, TLS."""
+versioned appends, long sessions, TTL, auth, TLS.
+
+Here the unit tests; the other tiers' are in tests/service/test_redis_store.py and
+tests/e2e/test_redis_store.py and tests/process/test_redis_store.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Per-round seeds: the draft's, the target's and a call made ahead's draws never share a seed,
-in the RequestRng and in what the real services receive."""
+in the RequestRng and in what the real services receive.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_rng.py.
+"""
 
 from __future__ import annotations
 

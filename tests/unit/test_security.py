@@ -1,5 +1,9 @@
 """Transport security over real servers: TLS on the public port, the API key, mutual TLS
-between the coordinator and the tiers, and start-up errors for bad files."""
+between the coordinator and the tiers, and start-up errors for bad files.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_security.py and
+tests/process/test_security.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """A short soak (≈ 30 s): concurrent new and continued sessions, no errors, no lost tokens, and
-the draft's and target's KV caches held to a budget small enough that they must evict."""
+the draft's and target's KV caches held to a budget small enough that they must evict.
+
+Here the unit tests; the other tiers' are in tests/process/test_soak.py.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 catching up on history it lacks (a new session's prompt, the tokens of rounds it did not propose),
 and the plain round that reads the target's heads before they can propose. Without services:
 the pure formula, the cost model's catch-up fit, the planner's choices under pinned costs, and
-one round loop through real services that learns the catch-up's cost."""
+one round loop through real services that learns the catch-up's cost.
+
+Here the unit tests; the other tiers' are in tests/e2e/test_switch_costs.py.
+"""
 
 from __future__ import annotations
 

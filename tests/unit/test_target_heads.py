@@ -3,7 +3,10 @@ per head, the top tokens an independent computation gives — the HF model's fin
 the position whose logits chose next_token, through the heads and the model's own output layer —
 for γ = 0, a chain with a rejection, a fully accepted chain, a tree, and all of them batched
 together; on the torch and the graph engines, in float64 and float32. Heads of another model and
-the llama.cpp engine are refused at start; a target without heads returns none."""
+the llama.cpp engine are refused at start; a target without heads returns none.
+
+Here the unit tests; the other tiers' are in tests/service/test_target_heads.py.
+"""
 
 from __future__ import annotations
 

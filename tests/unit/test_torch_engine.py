@@ -16,7 +16,7 @@ HISTORY = [5, 17, 42, 9, 33, 8, 21, 64, 3, 77]
 
 
 @pytest.fixture
-def engine(models):
+def torch_engine(models):
     return TorchEngine(load_model(models["llama"]["target"], "float64"), SessionCaches(8, 1 << 30), 16,
                        prefill_chunk=4)
 
@@ -32,10 +32,10 @@ def test_common_prefix():
     assert common_prefix([], [1]) == 0 and common_prefix(list(range(1000)), list(range(999)) + [5]) == 999
 
 
-def test_a_forward_failing_part_way_drops_the_cache(engine):
-    expected = run(engine, "fresh", 0, HISTORY)
-    run(engine, "s", 0, HISTORY[:6])
-    layer = engine.model.model.layers[1]
+def test_a_forward_failing_part_way_drops_the_cache(torch_engine):
+    expected = run(torch_engine, "fresh", 0, HISTORY)
+    run(torch_engine, "s", 0, HISTORY[:6])
+    layer = torch_engine.model.model.layers[1]
     original = layer.forward
 
     def out_of_memory(*args, **kwargs):
@@ -44,23 +44,23 @@ def test_a_forward_failing_part_way_drops_the_cache(engine):
     layer.forward = out_of_memory  # layer 0 has already appended its K/V when this raises
     try:
         with pytest.raises(Exception, match="out of device memory"):
-            run(engine, "s", 6, HISTORY[6:])
+            run(torch_engine, "s", 6, HISTORY[6:])
     finally:
         layer.forward = original
-    assert "s" not in engine.caches
+    assert "s" not in torch_engine.caches
     with pytest.raises(CacheMiss):
-        run(engine, "s", 6, HISTORY[6:])
+        run(torch_engine, "s", 6, HISTORY[6:])
     # rebuilt from the full history, the result is what an untroubled cache gives
-    assert torch.equal(run(engine, "s", 0, HISTORY), expected)
+    assert torch.equal(run(torch_engine, "s", 0, HISTORY), expected)
 
 
-def test_resend_reuses_the_common_prefix_and_prefill_steps_resume(engine):
-    run(engine, "r", 0, HISTORY[:7])
-    before = engine.tokens_run
-    run(engine, "r", 0, HISTORY)  # a resend of the whole history: only the tail runs again
-    assert engine.tokens_run - before == len(HISTORY) - 7
+def test_resend_reuses_the_common_prefix_and_prefill_steps_resume(torch_engine):
+    run(torch_engine, "r", 0, HISTORY[:7])
+    before = torch_engine.tokens_run
+    run(torch_engine, "r", 0, HISTORY)  # a resend of the whole history: only the tail runs again
+    assert torch_engine.tokens_run - before == len(HISTORY) - 7
     # prefill steps advance one chunk (4 tokens) at a time from whatever is held
-    engine.release("p")
+    torch_engine.release("p")
     for expected_held in (4, 8, 9, 9):
-        held, prefix_hash = engine.prefill_step("p", HISTORY, len(HISTORY) - 1)
+        held, prefix_hash = torch_engine.prefill_step("p", HISTORY, len(HISTORY) - 1)
         assert held == expected_held and prefix_hash == fingerprint(HISTORY[:held])
