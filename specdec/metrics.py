@@ -9,7 +9,7 @@ the prefix ``specdec_``; counters are exposed with the ``_total`` suffix
 A service records and exports only what it sees (FAMILIES): the coordinator rounds, γ,
 requests and their latency (time to first token, time per output token as vLLM's
 benchmark_serving defines them); the draft and target their stage latency, batch sizes and caches. docs/operations.md's
-metrics table says the same, checked against live services by tests/test_metrics_e2e.py.
+metrics table says the same, checked against live services by tests/e2e/test_metrics_e2e.py.
 """
 
 from __future__ import annotations

@@ -112,3 +112,20 @@ def test_the_machine_record_names_cpu_cores_memory_and_measured_bandwidth():
     assert machine["cpu_model"] and machine["cores"] >= 1 and machine["memory_gib"] > 0
     assert machine["bandwidth_gbs"] > 0 and machine["command"].startswith("python bench/machine.py")
     assert "python bench/machine.py" in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_the_layout_table_names_the_test_folders_and_the_tests_support_modules():
+    """tests/ has a row naming its modules (the fixtures and support modules); each folder of
+    tests below it has a row of its own, and no row names a test folder that is not there."""
+    rows = layout_rows()
+    tests = ROOT / "tests"
+    folders = sorted({path.parent for path in tests.rglob("*.py") if "__pycache__" not in path.parts})
+    problems = [f"{folder.relative_to(ROOT)}/ has no row" for folder in folders
+                if f"{folder.relative_to(ROOT)}/" not in rows]
+    named = set(re.findall(r"`([\w.]+\.py)`", rows.get("tests/", "")))
+    modules = {path.name for path in tests.glob("*.py")} - {"__init__.py"}
+    problems += [f"tests/{module} is not named in its row" for module in sorted(modules - named)]
+    problems += [f"tests/{module} is named but does not exist" for module in sorted(named - modules)]
+    problems += [f"{name} has a row but no modules" for name in rows
+                 if name.startswith("tests/") and not (ROOT / name).is_dir()]
+    assert not problems, "docs/design.md's layout table is stale:\n" + "\n".join(problems)
