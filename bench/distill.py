@@ -80,7 +80,7 @@ def write_prompts(folder: Path, quick: bool, train_count: int) -> tuple[Path, Pa
 def tiny_setup(folder: Path, seed: int) -> dict:
     """--tiny: a 12-token target of one layer, an unrelated draft of the same shape (draft seed
     `seed`), and prompts of random words (the bench prompts need a real tokenizer), with settings
-    that learn in seconds (those of tests/test_distill.py)."""
+    that learn in seconds (those of tests/service/test_distill.py)."""
     import random
 
     from specdec_cli import tiny

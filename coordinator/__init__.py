@@ -1,7 +1,7 @@
 """The coordinator: the public APIs, the sessions and the round loop between them.
 
 It runs no model: each round it plans, asks a proposal source for tokens, has the target verify
-them, commits and streams. Its wings (tests/test_layers.py holds each to what it may import):
+them, commits and streams. Its wings (tests/unit/test_layers.py holds each to what it may import):
 
 * `coordinator.api` — the gRPC servicer and the OpenAI-compatible HTTP API: requests in, chunks
   out, through the round loop only;

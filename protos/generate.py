@@ -2,7 +2,7 @@
 
 Usage: python protos/generate.py [--out DIR]
 
-The stubs are committed; tests/test_protos.py fails when they are stale.
+The stubs are committed; tests/unit/test_protos.py fails when they are stale.
 Never edit the generated files by hand: change the .proto and rerun this.
 """
 

@@ -9,7 +9,7 @@ the prefix ``specdec_``; counters are exposed with the ``_total`` suffix
 A service records and exports only what it sees (FAMILIES): the coordinator rounds, γ,
 requests and their latency (time to first token, time per output token as vLLM's
 benchmark_serving defines them); the draft and target their stage latency, batch sizes and caches. docs/operations.md's
-metrics table says the same, checked against live services by tests/test_metrics_e2e.py.
+metrics table says the same, checked against live services by tests/e2e/test_metrics_e2e.py.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ class Metrics:
 def observe_all(histogram: Any, pairs: list[tuple[float, int]]) -> None:
     """histogram.observe(v) `times` times for every (v, times), in one update per bucket
     touched and one of the sum. It writes prometheus_client's Histogram internals (_upper_bounds, _buckets, _sum, as
-    observe does), which tests/test_metrics_flush.py holds to observe's result."""
+    observe does), which tests/unit/test_metrics_flush.py holds to observe's result."""
     bounds, buckets = histogram._upper_bounds, [0] * len(histogram._upper_bounds)
     for value, times in pairs:
         if value == value:  # observe puts a NaN in no bucket (its sum only)

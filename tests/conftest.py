@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from specdec_cli import tiny  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
+from tests.tiers import mark_by_folder  # noqa: E402
 
 
 def _quiet() -> None:
@@ -61,39 +63,9 @@ def small_vocab_models(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="session")
-def near_draft(small_vocab_models, tmp_path_factory) -> str:
-    """The target with its output layer scaled by 1.2 (and its tokenizer): a draft a little
-    sharper than the target, agreeing with it often, so guesses of the bonus are often right."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from specdec.runtime.loader import load_model
-
-    target = small_vocab_models["target"]
-    model = load_model(target, "float32").model
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(1.2)
-    path = tmp_path_factory.mktemp("near-draft")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(target).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    """The HTTP API of the module's own `cluster` fixture (one with http_port set)."""
-    return f"http://127.0.0.1:{cluster.coordinator.http_port}"
-
-
-@pytest.fixture(scope="module")
-def model_id(cluster):
-    """The model name the module's `cluster` serves (the first of its served names)."""
-    return cluster.coordinator.served_model_names[0]
-
-
 @pytest.fixture(scope="module")
 def llama_cluster(models):
+    """The llama pair served with the defaults (draft, target and coordinator in this process)."""
     with Cluster(models["llama"]["draft"], models["llama"]["target"]) as cluster:
         yield cluster
 
@@ -123,21 +95,9 @@ def own_redis(tmp_path):
     server.stop()
 
 
-TIERS = ("unit", "service", "e2e", "process")  # the markers registered in pyproject.toml
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
 def pytest_collection_modifyitems(config, items):
-    """Every test is in exactly one tier, so `pytest -m unit` (or service, e2e, process) runs a
-    whole tier and nothing is left out of all of them: a module's `pytestmark = pytest.mark.<tier>`,
-    or `@pytest.mark.<tier>` on each test (or class) of a module that mixes tiers."""
-    wrong = []
-    for item in items:
-        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
-        if len(tiers) != 1:
-            wrong.append(f"  {item.nodeid}: {' and '.join(tiers) if tiers else 'no tier'}")
-    if wrong:
-        raise pytest.UsageError(
-            f"{len(wrong)} test(s) not in exactly one tier ({', '.join(TIERS)}); give each one "
-            "`pytestmark = pytest.mark.<tier>` in its module or `@pytest.mark.<tier>` on the test:\n"
-            + "\n".join(wrong))
+    """Every test is in exactly one tier, the folder it is in (tests/unit/, tests/service/,
+    tests/e2e/, tests/process/), so `pytest -m unit` (or service, e2e, process) runs a whole tier
+    and nothing is left out of all of them (tests/tiers.py)."""
+    mark_by_folder(items, Path(__file__).resolve().parent)

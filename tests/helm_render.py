@@ -1,4 +1,4 @@
-"""The Helm chart's tests' shared part (tests/test_helm.py, tests/test_helm_content.py): the value
+"""The Helm chart's tests' shared part (tests/process/test_helm.py, tests/process/test_helm_content.py): the value
 sets, the chart rendered offline with each through Helm's own Go library (helm-python-sdk), and
 accessors for the rendered objects. Importing it skips the importing module where the dev extra's
 deploy tools are missing.

@@ -12,6 +12,6 @@ The acceptance rule has two forms, side by side here:
   engine's device verification runs (specdec/runtime/graph/device_verification.py).
 
 The batched form must decide exactly what the reference decides: given the same uniforms, row
-by row, the drafts accepted, the next token and the ratios (tests/test_batched_acceptance.py and
-tests/test_batched_tree_acceptance.py draw random p, q, drafts, trees and seeds and check it).
+by row, the drafts accepted, the next token and the ratios (tests/unit/test_batched_acceptance.py and
+tests/unit/test_batched_tree_acceptance.py draw random p, q, drafts, trees and seeds and check it).
 """

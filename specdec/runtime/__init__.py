@@ -1,7 +1,7 @@
 """The model runtime of the draft and target services: the engines that run a model, and the
 plumbing that runs the services' calls on one (no gRPC).
 
-Its rooms (tests/test_layers.py holds each to what it may import):
+Its rooms (tests/unit/test_layers.py holds each to what it may import):
 
 * the bottom, this folder's own modules: the engine contract (`engine.py`: `ModelEngine`, the
   `Drafting` and `Verification` protocols, the call records `ProposeCall` and `VerifyCall`) and
