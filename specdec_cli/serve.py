@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import signal
 import threading
@@ -32,7 +33,7 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
     """The draft or target service: load the model, serve, stop on a signal."""
     from specdec.rpc.security import CredentialsError
     from specdec.runtime.heads import HeadsMismatch
-    from specdec.tokenizer import ModelLoadError
+    from specdec.tokenizer import ModelLoadError, resolve_model
 
     if kind == "draft":
         from draft_service.server import start
@@ -42,7 +43,8 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
         config = from_sources(TargetConfig, "target", vars(args))
     if not config.model:
         raise SystemExit(f"specdec serve {kind}: --model is required (env SPECDEC_{kind.upper()}_MODEL)")
-    try:
+    try:  # a path is served (and described to the coordinator) as its absolute path
+        config = dataclasses.replace(config, model=resolve_model(config.model))
         server, port, servicer = start(config)
     except (ModelLoadError, CredentialsError, HeadsMismatch, OSError) as exc:
         raise SystemExit(f"specdec serve {kind}: {exc}")

@@ -35,9 +35,10 @@ FINISH_REASONS = {
 
 def default_model_name(model_id: str) -> str:
     """The name a model is served under by default: a hub id ("Qwen/Qwen2.5-0.5B") as it is, a
-    path (a directory, a .gguf file) by its base name less .gguf: never a file system path."""
+    path (a directory, a .gguf file; one that exists here, as `tiny/target`, is one) by its base
+    name less .gguf: never a file system path."""
     is_path = (os.path.isabs(model_id) or model_id.startswith((".", "~")) or model_id.count("/") > 1
-               or model_id.endswith(".gguf"))
+               or model_id.endswith(".gguf") or os.path.exists(os.path.expanduser(model_id)))
     if not is_path:
         return model_id
     base = os.path.basename(model_id.rstrip("/")) or model_id
