@@ -207,16 +207,44 @@ def test_a_release_while_redis_is_down_is_made_when_it_is_back(own_redis):
 
 
 @pytest.mark.unit
-def test_unreachable_redis_is_unavailable_with_a_clear_message():
+def test_unreachable_redis_is_unavailable_with_a_clear_message(caplog):
+    """The client is told what failed, not where the store lives; the log names it, redacted."""
     async def body():
         store = RedisSessionStore("redis://:secret@127.0.0.1:1/0", socket_timeout_s=0.5)
         try:
             with pytest.raises(Unavailable) as info:
                 await store.create()
-            assert "127.0.0.1:1" in str(info.value) and "secret" not in str(info.value)
+            message = str(info.value)
+            assert message.startswith("the session store is unreachable") and "retry when it is back" in message
+            assert "127.0.0.1" not in message and ":1" not in message and "secret" not in message, message
         finally:
             await store.close()
-    run(body())
+    with caplog.at_level("WARNING", logger="coordinator.sessions.redis_store"):
+        run(body())
+    assert "redis://***@127.0.0.1:1/0 is unreachable" in caplog.text and "secret" not in caplog.text
+
+
+@pytest.mark.service
+def test_redis_going_away_and_coming_back_is_logged_once_each(own_redis, caplog):
+    async def body():
+        store = RedisSessionStore(own_redis.url, socket_timeout_s=1)
+        try:
+            await store.create()
+            own_redis.stop()
+            for _ in range(3):
+                with pytest.raises(Unavailable):
+                    await store.create()
+            own_redis.start()
+            for _ in range(3):
+                await store.create()
+        finally:
+            await store.close()
+    with caplog.at_level("INFO", logger="coordinator.sessions.redis_store"):
+        run(body())
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "coordinator.sessions.redis_store"]
+    assert [level for level, _ in records] == ["WARNING", "INFO"], records
+    assert f"session store {own_redis.url} is unreachable" in records[0][1]
+    assert records[1][1] == f"session store {own_redis.url} answers again"
 
 
 @pytest.mark.process
