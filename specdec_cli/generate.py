@@ -53,8 +53,8 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--max-new-tokens", type=int, default=env_default("generate", "max_new_tokens", 128),
                      help="tokens to generate (env SPECDEC_GENERATE_MAX_NEW_TOKENS)")
     gen.add_argument("--temperature", type=float, default=env_default("generate", "temperature", 1.0),
-                     help="softmax temperature, as the gRPC and HTTP APIs' (whose default is 1.0 too); "
-                          "0 = greedy: the target's own argmax output (env SPECDEC_GENERATE_TEMPERATURE)")
+                     help="softmax temperature, 1.0 as in the gRPC and HTTP APIs; 0 = greedy: the "
+                          "target's own argmax output (env SPECDEC_GENERATE_TEMPERATURE)")
     gen.add_argument("--top-k", type=int, default=env_default("generate", "top_k", 0),
                      help="0 disables (env SPECDEC_GENERATE_TOP_K)")
     gen.add_argument("--top-p", type=float, default=env_default("generate", "top_p", 1.0),

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tiny = models_sub.add_parser("tiny", help="build a tiny random pair that agrees: a one-layer draft copied "
                                               "from its target (for demos and smoke runs)")
     tiny.add_argument("dir", help="where to write draft/ and target/")
-    tiny.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
+    tiny.add_argument("--arch", default="llama", choices=("llama", "gpt2"), help="architecture of both models")
 
 
 def run(args: argparse.Namespace) -> int:
