@@ -1,10 +1,11 @@
 """Running one Propose / Verify call on the model worker, long inputs in chunks.
 
 The call's final step goes through the batch scheduler, which runs it together with other
-sessions' final steps in one forward. A call whose new tokens exceed the runner's prefill chunk is split into prefill steps, each a
-separate task on the worker, so other sessions' rounds run in between. A step whose caller's
-deadline has passed is never started; the steps already done stay in the cache, and a resend
-(prefix_len 0 with the full history) picks up where they ended instead of starting again.
+sessions' final steps in one forward. A call whose new tokens exceed the engine's prefill chunk
+is split into prefill steps, each a separate task on the worker, so other sessions' rounds run
+in between. A step whose caller's deadline has passed is never started; the steps already done
+stay in the cache, and a resend (prefix_len 0 with the full history) picks up where they ended
+instead of starting again.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from array import array
 from typing import Any, Protocol, Sequence, TypeVar
 
 from specdec.errors import CacheMiss
-from specdec.runtime.runner import ModelRunner
-from specdec.runtime.scheduler import BatchScheduler
+from specdec.runtime.engine import ModelEngine
+from specdec.runtime.serving.scheduler import BatchScheduler
 
 R = TypeVar("R")
 PREFILL_ATTEMPTS = 3  # prefills of one call whose session was evicted before its final step
@@ -39,22 +40,22 @@ def deadline_of(context: Any) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-async def run_call(scheduler: BatchScheduler, runner: ModelRunner, call: C, deadline: float | None) -> R:
+async def run_call(scheduler: BatchScheduler, engine: ModelEngine, call: C, deadline: float | None) -> R:
     """Prefill the call's input in chunks when it is long, then run its final step in a batch.
 
     The session can be evicted between the last chunk and the final step (other sessions' calls
     run in between and the cache budget holds): the prefill then runs again, a bounded number of
     times, rather than answering the caller's complete history with a cache miss."""
     worker = scheduler.worker
-    if not runner.needs_prefill_steps(call.new_tokens):
+    if not engine.needs_prefill_steps(call.new_tokens):
         return await scheduler.run(call, deadline)
-    held = await worker.run(runner.held_prefix, call.session_id, call.prefix_len, call.prefix_hash,
+    held = await worker.run(engine.held_prefix, call.session_id, call.prefix_len, call.prefix_hash,
                             deadline=deadline)
     sequence = held + array("i", call.new_tokens)
     upto = len(sequence) - 1  # the last token runs with the final step, for its logits
     for attempt in range(PREFILL_ATTEMPTS):
         while True:
-            length, prefix_hash = await worker.run(runner.prefill_step, call.session_id, sequence, upto,
+            length, prefix_hash = await worker.run(engine.prefill_step, call.session_id, sequence, upto,
                                                    call.cache_salt, deadline=deadline)
             if length >= upto:
                 break
