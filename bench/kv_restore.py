@@ -19,6 +19,9 @@ DB 2, the sessions in DB 0); the services as processes (`specdec serve draft|tar
     no KV store) and one without: total time to first token and the target's restored tokens.
 (c) Stored bytes. Per model, the bytes its chunks take in Redis (STRLEN of every value) per
     token stored, against the model's theoretical K/V size per token.
+(d) Read speed. Per length, the MB/s at which the target's chunks (its geometry and --dtype,
+    --chunk-tokens) are read from this Redis into a K/V buffer: the restore path against the
+    MGET path before it (bench/kv_read.py; --read-reps rounds, 0 = skip (d)).
 
 Prints a table, writes kv_restore.json and kv_restore.png to --out (default bench/results/).
 """
@@ -205,6 +208,20 @@ def stored_bytes(url: str, models: dict[str, str], args, chunk_tokens: int) -> d
     return out
 
 
+def read_speed(target: str, args, url: str) -> list[dict]:
+    """(d): the target's chunks read from this Redis, per length (bench/kv_read.py)."""
+    import torch
+    from transformers import AutoConfig
+
+    from bench.kv_read import measure
+    from specdec.kv.chunks import ChunkLayout
+
+    geometry = kv_geometry(AutoConfig.from_pretrained(target))
+    dtype = getattr(torch, args.dtype)
+    return measure(f"{url}/3", lambda size: ChunkLayout(**geometry, dtype=dtype, tokens=size),
+                   args.lengths, [args.chunk_tokens], args.read_reps)
+
+
 def plot(result: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -233,11 +250,12 @@ def main() -> int:
     parser.add_argument("--target-model", default="")
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES))
     parser.add_argument("--threads", type=int, default=0, help="threads of each service (0 = their default)")
-    parser.add_argument("--lengths", default="1024,2048,4096", help="(a): prompt lengths, comma-separated")
+    parser.add_argument("--lengths", default="1024,4096,16384", help="(a), (d): prompt lengths, comma-separated")
     parser.add_argument("--sessions", type=int, default=16, help="(b): sessions sharing the prefix (0 = skip (b))")
     parser.add_argument("--shared-prefix", type=int, default=1500, help="(b): tokens of the shared prefix")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="--kv-chunk-tokens of both services")
     parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, help="(b): the services' prefix cache")
+    parser.add_argument("--read-reps", type=int, default=3, help="(d): rounds per length (0 = skip (d))")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
@@ -253,6 +271,8 @@ def main() -> int:
         result["stored"] = stored_bytes(url, {"draft": draft, "target": target}, args, args.chunk_tokens)
         if args.sessions > 0:
             result["shared_prefix"] = shared_prefix(draft, target, args, url, vocab)
+        if args.read_reps > 0:
+            result["read"] = read_speed(target, args, url)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["tokens  ttft store (s)  ttft re-prefill (s)  speed-up  target restored"]
@@ -271,6 +291,10 @@ def main() -> int:
                          f"theory {st['theoretical_bytes_per_token']} ({st['ratio']:.4f}x)")
     for r in result["moved"]:
         lines.append(f"{r['tokens']} tokens: draft restored {r['store_draft_restored']} with the store")
+    if result.get("read"):
+        from bench.kv_read import table
+
+        lines.append(table(result["read"]))
     print("\n".join(lines))
     (out / "kv_restore.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "kv_restore.png")

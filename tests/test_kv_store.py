@@ -139,17 +139,18 @@ def test_redacted_url():
 
 
 @pytest.mark.service
-def test_redis_round_trip_in_one_mget(own_redis):
+def test_redis_round_trip_in_one_pipeline(own_redis, monkeypatch):
     store = RedisChunkStore(own_redis.url, ttl_s=60, namespace=namespace())
     try:
         names = ["a", "b", "c", "d"]
         store.put_many([(digest(n), value(n, 100_000 * (i + 1))) for i, n in enumerate(names)])
-        before = own_redis.client().info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
+        before = own_redis.client().info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+        connections = CountingConnections(store, monkeypatch)
         got = store.get_many([digest("a"), digest("x"), digest("c"), digest("b"), digest("y"), digest("d")])
-        after = own_redis.client().info("commandstats")["cmdstat_mget"]["calls"]
+        after = own_redis.client().info("commandstats")["cmdstat_get"]["calls"]
         assert got == [value("a", 100_000), None, value("c", 300_000), value("b", 200_000), None,
                        value("d", 400_000)]
-        assert after - before == 1
+        assert after - before == 6 and connections.calls == 1  # six GETs sent as one pipeline
         stats = store.stats()
         assert (stats.hits, stats.misses, stats.bytes_read) == (4, 2, 1_000_000)
         assert (stats.chunks_written, stats.bytes_written) == (4, 1_000_000)

@@ -5,9 +5,14 @@ of a few MB, each under a 32-byte digest key computed by the chunk codec from wh
 holds. Another replica that is asked to continue the same prefix reads the chunks back instead
 of recomputing them. This module moves bytes only; it knows nothing of tensors or models.
 
-- ``ChunkStore`` is the interface: ``get_many`` / ``put_many`` / ``ping`` / ``close``.
-  ``RedisChunkStore`` keeps the chunks in Redis (the key is the namespace + the digest's hex,
-  every value with a TTL), ``MemoryChunkStore`` in a dict (tests, development).
+- ``ChunkStore`` is the interface: ``get_many`` / ``stream`` / ``put_many`` / ``ping`` /
+  ``close``. ``RedisChunkStore`` keeps the chunks in Redis — one server, a Sentinel-watched
+  primary or a Redis Cluster, whose slots spread the keys over every primary (the key is the
+  namespace + the digest's hex, every value with a TTL) — ``MemoryChunkStore`` in a dict
+  (tests, development).
+- ``stream`` is the restore path: one pipeline of GETs per node, each value received into the
+  caller's reused buffer on a reader thread while the caller decodes the one before
+  (pipelined_read.py).
 - The store is a cache, never a dependency: a read from a store that is down or slow returns
   all misses (``None``) and never raises, and the store then backs off — for ``retry_s`` it
   answers every read with misses at once, without touching the network — so an outage costs
@@ -16,7 +21,8 @@ of recomputing them. This module moves bytes only; it knows nothing of tensors o
 - ``ChunkStoreStats`` is a snapshot of the counters the store and its writer share.
 
 ``open_chunk_store(url, ttl_s)`` builds the store a URL names: "" (off), ``memory://``, or a
-``redis://`` / ``rediss://`` / ``unix://`` URL (a password in the URL is never logged).
+``redis://`` / ``rediss://`` / ``unix://`` / ``redis+sentinel://`` / ``redis+cluster://`` URL
+(specdec/redis_url.py; a password in the URL is never logged).
 """
 
 from __future__ import annotations
@@ -26,22 +32,27 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from contextlib import closing
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from specdec.errors import Unavailable
+from specdec.kv.pipelined_read import pipelined_values
 from specdec.logtag import redacted_url
+from specdec.redis_url import REDIS_ERRORS, SCHEMES, Topology, parse_redis_url, redis_client
 
 log = logging.getLogger(__name__)
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = tuple(SCHEMES)  # redis, rediss, unix, redis+sentinel, redis+cluster, rediss+…
+URL_FORMS = ("a redis://, rediss:// or unix:// URL (one server), redis+sentinel://HOST:26379,…/SERVICE "
+             "or redis+cluster://HOST:6379,HOST:6379,…")
+STORE_ERRORS = (*REDIS_ERRORS, OSError)  # what a call to Redis raises when it fails
 MEMORY_URL = "memory://"
 MEMORY_STORE_MAX_BYTES = 1 << 30  # what `open_chunk_store("memory://")` keeps at most
 MiB = 1 << 20
@@ -114,6 +125,14 @@ class ChunkStore(ABC):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The value of each key, in order; None for a key the store does not hold or cannot
         read now."""
+
+    def stream(self, keys: Sequence[bytes], buffers: Sequence[memoryview] = ()) -> Iterator[memoryview | None]:
+        """The value of each key, in order, as a memoryview; None for a miss. With `buffers`
+        (writable, each the size of a chunk) a value may be read into buffers[i % len(buffers)]
+        and is valid only until the caller asks for the next one (two or more buffers); the
+        caller may stop early. Never raises for the store's own failures."""
+        for value in self.get_many(keys):
+            yield None if value is None else memoryview(value)
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
@@ -213,9 +232,12 @@ class MemoryChunkStore(ChunkStore):
 
 class RedisChunkStore(ChunkStore):
     """Chunks in Redis, shared by every replica: key `namespace + digest.hex()`, each value
-    written with SET … EX ttl_s (PX when ttl_s has a fraction of a second).
+    written with SET … EX ttl_s (PX when ttl_s has a fraction of a second). The URL names one
+    server, a Sentinel primary or a Cluster (the keys' hash slots spread them over every
+    primary).
 
-    `get_many` is one MGET and `put_many` one pipelined round trip. A failed call (down, a
+    `get_many` and `stream` send one pipeline of GETs per node, `put_many` one pipelined round
+    trip per node. A failed call (down, a
     timeout after `socket_timeout_s`, refused credentials) marks the store unhealthy; then for
     `retry_s` reads return all None and writes raise `Unavailable` at once, without touching
     the network, after which one call tries again."""
@@ -229,8 +251,12 @@ class RedisChunkStore(ChunkStore):
             raise ValueError(
                 f"chunk store URL {self.url!r} has "
                 + (f"the scheme {scheme + '://'!r}" if sep else "no scheme")
-                + "; a Redis chunk store needs redis://, rediss:// (TLS) or unix://, "
-                  "e.g. redis://:PASSWORD@HOST:6379/0")
+                + "; a Redis chunk store needs redis://, rediss:// (TLS), unix://, "
+                  "redis+sentinel:// or redis+cluster://, e.g. redis://:PASSWORD@HOST:6379/0")
+        try:
+            self.topology = parse_redis_url(url).topology
+        except ValueError as exc:
+            raise ValueError(f"invalid chunk store URL {self.url!r}: {exc}") from None
         if not ttl_s > 0:
             raise ValueError(f"chunk TTL must be positive seconds, got {ttl_s!r}")
         if not socket_timeout_s > 0:
@@ -243,21 +269,41 @@ class RedisChunkStore(ChunkStore):
         # whole seconds as EX; a fraction as PX (rounded, at least 1 ms)
         self._expiry = ({"ex": int(ttl_s)} if float(ttl_s).is_integer()
                         else {"px": max(1, round(ttl_s * 1000))})
+        self._open = lambda: redis_client(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            # one immediate retry of a broken connection (a pooled socket the server closed);
+            # never of a timeout, so a call fails within about socket_timeout_s
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self._lock = threading.Lock()
+        self._healthy = True
+        self._retry_at = 0.0  # monotonic time before which calls do not touch the network
+        self._last_error = ""
+        self._client = None  # a Cluster client asks a node for the slot map when made: see _redis
         try:
-            self._client = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-                # one immediate retry of a broken connection (a pooled socket the server closed);
-                # never of a timeout, so a call fails within about socket_timeout_s
-                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+            if self.topology is not Topology.CLUSTER:
+                self._client = self._open()  # connects on first use
         except (ValueError, TypeError) as exc:
             message = str(exc)
             for secret in _secrets(url):
                 message = message.replace(secret, "***")
             raise ValueError(f"invalid chunk store URL {self.url!r}: {message}") from None
-        self._lock = threading.Lock()
-        self._healthy = True
-        self._retry_at = 0.0  # monotonic time before which calls do not touch the network
-        self._last_error = ""
+
+    def _redis(self):
+        """The redis-py client (made on first use for a Cluster, so that a cluster down when
+        the service starts costs misses, not the start); raises one of STORE_ERRORS."""
+        client = self._client
+        if client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._open()
+                client = self._client
+        return client
+
+    def _pool_of(self, client):
+        """name -> the connection pool of the node holding it."""
+        if self.topology is Topology.CLUSTER:
+            return lambda name: client.get_redis_connection(client.get_node_from_key(name)).connection_pool
+        return lambda name: client.connection_pool
 
     def __repr__(self) -> str:
         return f"RedisChunkStore({self.url!r}, ttl_s={self.ttl_s}, namespace={self.namespace!r})"
@@ -304,23 +350,46 @@ class RedisChunkStore(ChunkStore):
             log.info("chunk store %s is reachable again", self.url)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [None if v is None else bytes(v) for v in self.stream(keys)]
+
+    def stream(self, keys: Sequence[bytes], buffers: Sequence[memoryview] = ()) -> Iterator[memoryview | None]:
         names = [self._name(k) for k in keys]
         if not names:
-            return []
+            return
         if not self._may_call():
             self.counters.add(reads_skipped=1)
-            return [None] * len(names)
-        try:
-            values = self._client.mget(names)
-        except (RedisError, OSError) as exc:
-            self._failed(exc)
-            self.counters.add(read_errors=1)
-            return [None] * len(names)
-        self._succeeded()
-        found = [v for v in values if v is not None]
-        self.counters.add(hits=len(found), misses=len(values) - len(found),
-                          bytes_read=sum(len(v) for v in found))
-        return list(values)
+            yield from [None] * len(names)
+            return
+        done = 0  # values handed to the caller
+        for attempt in (1, 2):  # a second try only for a broken pooled connection, before any value
+            try:
+                with closing(pipelined_values(names, self._pool_of(self._redis()), buffers)) as values:
+                    for value in values:  # stopped early: closing() lets go of the connections now
+                        done += 1
+                        self.counters.add(**({"misses": 1} if value is None else {"hits": 1, "bytes_read": len(value)}))
+                        yield value
+                self._succeeded()
+                return
+            except ResponseError as exc:  # MOVED during a resharding, WRONGTYPE...: not an outage
+                self._refused(exc)
+                break
+            except STORE_ERRORS as exc:
+                if attempt == 1 and done == 0 and isinstance(exc, RedisConnectionError):
+                    continue
+                self._failed(exc)
+                self.counters.add(read_errors=1)
+                break
+        yield from [None] * (len(names) - done)
+
+    def _refused(self, exc: ResponseError) -> None:
+        """A GET answered with an error: the rest are misses; a cluster reloads its slot map."""
+        self.counters.add(read_errors=1)
+        log.warning("chunk store %s refused a read (%s); prefilling instead", self.url, exc)
+        if self.topology is Topology.CLUSTER and self._client is not None:
+            try:
+                self._client.nodes_manager.initialize()
+            except STORE_ERRORS:
+                pass
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         items = [(self._name(k), as_bytes(v)) for k, v in items]
@@ -330,11 +399,11 @@ class RedisChunkStore(ChunkStore):
             raise Unavailable(f"chunk store {self.url} is unreachable ({self._last_error}); "
                               f"not retrying for up to {self.retry_s:.1f} s")
         try:
-            with self._client.pipeline(transaction=False) as pipe:
+            with self._redis().pipeline(transaction=False) as pipe:
                 for name, value in items:
                     pipe.set(name, value, **self._expiry)
                 pipe.execute()
-        except (RedisError, OSError) as exc:
+        except STORE_ERRORS as exc:
             self._failed(exc)
             raise Unavailable(f"chunk store {self.url} is unreachable or refused us "
                               f"({exc.__class__.__name__}: {exc}); the chunks were not written") from None
@@ -343,15 +412,16 @@ class RedisChunkStore(ChunkStore):
 
     def ping(self) -> bool:
         try:
-            self._client.ping()
-        except (RedisError, OSError) as exc:
+            self._redis().ping()
+        except STORE_ERRORS as exc:
             self._failed(exc)
             return False
         self._succeeded()
         return True
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
 
 def _secrets(url: str) -> list[str]:
@@ -372,7 +442,8 @@ def _secrets(url: str) -> list[str]:
 def open_chunk_store(url: str, ttl_s: float) -> ChunkStore | None:
     """The chunk store `url` names: "" → None (no store); `memory://` → a `MemoryChunkStore`
     of this process (at most MEMORY_STORE_MAX_BYTES); redis://, rediss:// or unix:// → a
-    `RedisChunkStore` shared by every replica. Values expire `ttl_s` after their last write."""
+    `RedisChunkStore` shared by every replica (redis+sentinel:// and redis+cluster:// too).
+    Values expire `ttl_s` after their last write."""
     if url == "":
         return None
     if url == MEMORY_URL:
@@ -381,4 +452,4 @@ def open_chunk_store(url: str, ttl_s: float) -> ChunkStore | None:
     if sep and scheme.lower() in REDIS_SCHEMES:
         return RedisChunkStore(url, ttl_s=ttl_s)
     raise ValueError(f"unsupported chunk store URL {redacted_url(url)!r}: use '' (no store), "
-                     "'memory://' (this process only), or a redis://, rediss:// or unix:// URL")
+                     f"'memory://' (this process only), or {URL_FORMS}")

@@ -182,10 +182,11 @@ def encode_chunk(kv: torch.Tensor, key: bytes) -> bytes:
     return bytes(out)
 
 
-def decode_chunk(value: bytes, key: bytes, layout: ChunkLayout, device: Any = None) -> torch.Tensor:
-    """The K/V of a stored value: a fresh [layers, 2, kv_heads, tokens, head_dim] tensor of
-    layout.dtype (on `device`, CPU by default), or ChunkError(reason) when the value is not
-    exactly a chunk of this layout stored under this key. Raises nothing else for any bytes."""
+def chunk_payload(value: Any, key: bytes, layout: ChunkLayout) -> memoryview:
+    """The raw K/V bytes of a stored value (a view into it: no copy), or ChunkError(reason)
+    when the value is not exactly a chunk of this layout stored under this key. A value of
+    another format version is refused ("version"), never misread. Raises nothing else for any
+    bytes."""
     view = memoryview(value).cast("B")
     if len(view) < HEADER_BYTES:
         raise ChunkError("truncated", f"{len(view)} bytes, shorter than the {HEADER_BYTES}-byte header")
@@ -209,7 +210,25 @@ def decode_chunk(value: bytes, key: bytes, layout: ChunkLayout, device: Any = No
     if got > length:
         raise ChunkError("length", f"{got - length} trailing bytes after the payload")
     body = view[HEADER_BYTES:]
-    if zlib.crc32(body) != crc:
+    if zlib.crc32(body) != crc:  # zlib releases the GIL here: a reader thread goes on meanwhile
         raise ChunkError("checksum", "payload crc32 mismatch")
+    return body
+
+
+def chunk_view(value: Any, key: bytes, layout: ChunkLayout) -> torch.Tensor:
+    """The K/V of a stored value held in a WRITABLE buffer (a bytearray, a reused staging
+    buffer), without copying it: a CPU tensor [layers, 2, kv_heads, tokens, head_dim] sharing
+    the buffer's memory (valid while the buffer is), or ChunkError(reason) as chunk_payload."""
+    body = chunk_payload(value, key, layout)
+    if body.readonly:  # bytes: torch.frombuffer needs a writable buffer, so a copy
+        body = memoryview(bytearray(body))
+    return torch.frombuffer(body, dtype=layout.dtype).view(layout.shape)
+
+
+def decode_chunk(value: bytes, key: bytes, layout: ChunkLayout, device: Any = None) -> torch.Tensor:
+    """The K/V of a stored value: a fresh [layers, 2, kv_heads, tokens, head_dim] tensor of
+    layout.dtype (on `device`, CPU by default), or ChunkError(reason) when the value is not
+    exactly a chunk of this layout stored under this key. Raises nothing else for any bytes."""
+    body = chunk_payload(value, key, layout)
     kv = torch.frombuffer(bytearray(body), dtype=layout.dtype).view(layout.shape)  # owns its copy
     return kv if device is None else kv.to(device)

@@ -7,9 +7,13 @@ and the token ids), so the same prefix has the same keys in every session, on ev
 - **Restore.** When a call brings a history the session's cache lacks (a new session's prompt, a
   resend after a cache miss, a session moved to this replica), the engine looks up the chunks
   past what it holds: first in the pod's prefix cache, then, for the rest, in the store (one
-  round trip for all the keys). The longest run of chunks found from there is loaded into the
+  pipeline of GETs per node). The longest run of chunks found from there is loaded into the
   session's K/V and only the rest is prefilled. A chunk missing, corrupt, of another layout or
   another model ends the run: the rest is prefilled, the output does not change.
+  The store's chunks stream: a reader thread receives chunk i+1 into one of two staging
+  buffers (allocated once, pinned when the K/V is on CUDA) while the model thread checks chunk
+  i in the other and copies it into the session's K/V (asynchronously on CUDA); no chunk is
+  ever held whole in fresh memory.
 - **Keep.** After a call, the full chunks of its committed history (never a draft the target has
   not accepted) that the session has not kept yet are copied out of its K/V (one device copy on
   the model thread), put into the prefix cache and offered to the store's background writer,
@@ -20,15 +24,17 @@ The last token of a call's history is always run, for its logits, so a restore n
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from specdec.kv.chunks import ChunkError, ChunkLayout, chunk_keys, decode_chunk, encode_chunk
+from specdec.kv.chunks import HEADER_BYTES, ChunkError, ChunkLayout, chunk_keys, chunk_view, encode_chunk
 from specdec.kv.chunk_store import ChunkStore
 from specdec.kv.writer import ChunkWriter
 from specdec.runtime.kv_cache import SessionCache
@@ -77,12 +83,13 @@ class TierCounters:
 class KVTier:
     """An engine's prefix cache and chunk store, with the engine's two K/V accessors:
     `read(entry, begin, end)` -> a copy of positions [begin, end) [layers, 2, kv_heads, n, head_dim],
-    `load(entry, chunks, tokens)`: append `tokens` whose K/V are the concatenated chunks."""
+    `load(entry, chunks, tokens)`: append the leading tokens of `tokens` whose K/V are the chunks
+    the iterable yields (each valid until the next is asked for), the count appended."""
 
     def __init__(self, model_key: bytes, layout: ChunkLayout, cache: PrefixCache | None,
                  store: ChunkStore | None, writer: ChunkWriter | None,
                  read: Callable[[SessionCache, int, int], torch.Tensor],
-                 load: Callable[[SessionCache, list[torch.Tensor], Sequence[int]], None],
+                 load: Callable[[SessionCache, Iterable[torch.Tensor], Sequence[int]], int],
                  device: torch.device | None = None):
         if cache is None and store is None:
             raise ValueError("a K/V tier needs a prefix cache or a store")
@@ -90,8 +97,9 @@ class KVTier:
         self.chunk_tokens = layout.tokens
         self.cache, self.store, self.writer = cache, store, writer
         self.read, self.load = read, load
-        self.device = device  # where chunks read from the store are decoded to (the engine's K/V device)
+        self.device = torch.device(device or "cpu")  # the engine's K/V device
         self.counters = TierCounters()
+        self._staging = staging_buffers(layout, self.device) if store is not None else []
 
     def metrics(self) -> dict[str, float]:
         """The values of specdec.metrics' KV_CHUNK_COUNTERS and KV_CHUNK_GAUGES (read when
@@ -129,12 +137,14 @@ class KVTier:
         t0 = time.perf_counter()
         keys = self.keys(sequence[:last * size], salt)[first:]
         chunks = self._found(keys)
-        begin, end = first * size, (first + len(chunks)) * size
-        if end <= held:
-            return 0
-        if not entry.crop(begin):
-            return 0
-        self.load(entry, chunks, sequence[begin:end])
+        try:
+            head = next(chunks, None)  # one chunk found from `first` on gains tokens past `held`
+            begin = first * size
+            if head is None or not entry.crop(begin):
+                return 0
+            end = begin + self.load(entry, itertools.chain([head], chunks), sequence[begin:last * size])
+        finally:
+            chunks.close()  # a store read stopped early lets go of its connections
         entry.chunks_kept_upto, entry.chunk_salt = end, salt  # those chunks are kept already
         gained = end - held
         counters = self.counters
@@ -142,34 +152,41 @@ class KVTier:
         counters.restore_seconds += time.perf_counter() - t0
         return gained
 
-    def _found(self, keys: list[bytes]) -> list[torch.Tensor]:
-        """The chunks of the longest run of `keys` found: the prefix cache's, then the store's."""
+    def _found(self, keys: list[bytes]) -> Iterator[torch.Tensor]:
+        """The chunks of the longest run of `keys` found, lazily: the prefix cache's, then the
+        store's (each a view of a staging buffer, valid until the next is asked for)."""
         counters = self.counters
-        chunks: list[torch.Tensor] = []
+        cached = 0
         for key in keys:
             chunk = None if self.cache is None else self.cache.get(key)
             if chunk is None:
                 break
-            chunks.append(chunk)
-        counters.cache_hits += len(chunks)
-        rest = keys[len(chunks):]
+            cached += 1
+            counters.cache_hits += 1
+            yield chunk
+        rest = keys[cached:]
         if not rest or self.store is None:
-            return chunks
-        for key, value in zip(rest, self.store.get_many(rest)):
-            if value is None:
-                counters.store_misses += 1
-                break
-            try:
-                chunk = decode_chunk(value, key, self.layout, self.device)
-            except ChunkError as exc:
-                counters.rejected += 1
-                log.warning("K/V chunk %s… unusable (%s): prefilling from there", key.hex()[:12], exc)
-                break
-            counters.store_hits += 1
-            chunks.append(chunk)
-            if self.cache is not None:
-                self.cache.put(key, chunk)
-        return chunks
+            return
+        values = self.store.stream(rest, self._staging)
+        try:
+            for key, value in zip(rest, values):
+                if value is None:
+                    counters.store_misses += 1
+                    return
+                try:
+                    chunk = chunk_view(value, key, self.layout)  # [layers, 2, kv_heads, size, head_dim]
+                except ChunkError as exc:
+                    counters.rejected += 1
+                    log.warning("K/V chunk %s… unusable (%s): prefilling from there", key.hex()[:12], exc)
+                    return
+                counters.store_hits += 1
+                if self.cache is not None:  # its own copy: the staging buffer is reused
+                    self.cache.put(key, chunk.to(self.device, copy=True))
+                yield chunk
+                if self.device.type == "cuda":  # the asynchronous copy out of the buffer is done
+                    torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            values.close()
 
     def keep(self, entry: SessionCache, committed: int, salt: str = "") -> None:
         """After a call: the full chunks of the first `committed` tokens of `entry` that it has
@@ -192,6 +209,22 @@ class KVTier:
                 self.writer.offer(key, lambda chunk=chunk, key=key: encode_chunk(chunk, key), nbytes)
             self.counters.kept_chunks += 1
         entry.chunks_kept_upto = last * size
+
+
+def staging_buffers(layout: ChunkLayout, device: torch.device, count: int = 2) -> list[memoryview]:
+    """`count` buffers a stored chunk fits in, allocated and touched once (pinned, for an
+    asynchronous copy, when the K/V is on CUDA): the store reads into them in turn."""
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    size = HEADER_BYTES + layout.nbytes
+    return [_writable_view(torch.zeros(size, dtype=torch.uint8, pin_memory=pin)) for _ in range(count)]
+
+
+def _writable_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte memoryview of a contiguous CPU uint8 tensor, without numpy."""
+    array_type = type("StagingBytes", (ctypes.Array,), {"_type_": ctypes.c_ubyte, "_length_": tensor.numel()})
+    array = array_type.from_address(tensor.data_ptr())
+    array.owner = tensor  # the view's memory lives as long as the view
+    return memoryview(array).cast("B")
 
 
 def weights_digest(model: torch.nn.Module) -> str:

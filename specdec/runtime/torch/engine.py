@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -98,18 +98,20 @@ class TorchEngine(SessionEngine):
         """A copy of the session's K/V at positions [begin, end) -> [layers, 2, kv_heads, n, head_dim]."""
         return entry.kv.data[:, :, :, begin:end].clone()
 
-    def load_chunks(self, entry: SessionCache, chunks: list[torch.Tensor], tokens: Sequence[int]) -> None:
-        """Append `tokens` whose K/V are the chunks (each [layers, 2, kv_heads, n, head_dim]) in order."""
+    def load_chunks(self, entry: SessionCache, chunks: Iterable[torch.Tensor], tokens: Sequence[int]) -> int:
+        """Append the leading tokens of `tokens` whose K/V are the chunks (each [layers, 2,
+        kv_heads, n, head_dim], valid until the next is asked for), in order; the count appended."""
         held, buffer = len(entry), entry.kv
         buffer.reserve(held + len(tokens), held)
         at = held
         for chunk in chunks:
             n = chunk.shape[3]
-            buffer.data[:, :, :, at:at + n].copy_(chunk)
+            if at + n > held + len(tokens):
+                raise ValueError(f"more positions of chunks than the {len(tokens)} tokens")
+            buffer.data[:, :, :, at:at + n].copy_(chunk, non_blocking=True)  # the tier syncs on CUDA
             at += n
-        if at != held + len(tokens):
-            raise ValueError(f"{at - held} positions of chunks for {len(tokens)} tokens")
-        entry.append(tokens)
+        entry.append(tokens[:at - held])
+        return at - held
 
     @property
     def verifies_trees(self) -> bool:
@@ -157,7 +159,7 @@ class TorchEngine(SessionEngine):
         except BaseException as exc:
             for row in rows:
                 self.caches.discard(row.session_id, row.entry)
-            if isinstance(exc, torch.OutOfMemoryError):
+            if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):  # 2.4 lacks it
                 tokens = sum(len(row.tokens) for row in rows)
                 raise ResourceExhausted(f"out of device memory running {tokens} tokens: {exc}") from exc
             raise
