@@ -16,6 +16,9 @@ from specdec.errors import InvalidArgument
 from specdec.fields import Field
 
 SENTINEL = "specdec-continuation-sentinel-7d1c"
+# the roles a message may have: OpenAI's that chat templates render ("developer" and "function"
+# are not among them: Qwen's template, for one, drops such messages without a word)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
@@ -55,8 +58,9 @@ def render_messages(tokenizer: Any, messages: Sequence[tuple[str, str]], continu
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidArgument("this model's tokenizer has no chat template: send a prompt instead", Field.MESSAGES)
     for role, _ in messages:
-        if not role:
-            raise InvalidArgument("every chat message needs a role (system, user, assistant)", Field.MESSAGES)
+        if role not in CHAT_ROLES:
+            problem = f"unknown chat role {role!r}" if role else "a chat message without a role"
+            raise InvalidArgument(f"{problem}: a message's role is one of {', '.join(CHAT_ROLES)}", Field.MESSAGES)
     dicts = [{"role": role, "content": content} for role, content in messages]
     text = _continuation_text(tokenizer, dicts) if continuing else _render(tokenizer, dicts, True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

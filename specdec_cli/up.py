@@ -99,7 +99,20 @@ def models_of(args: argparse.Namespace) -> tuple[str, str]:
             raise SystemExit(f"specdec up: {exc}")
         draft_model = draft_model or str(pair["draft"])
         target_model = target_model or str(pair["target"])
+    check_model_paths({"--draft-model": draft_model, "--target-model": target_model})
     return draft_model, target_model
+
+
+def check_model_paths(models: dict[str, str]) -> None:
+    """A model named by a path that is not there fails now, naming its flag, before any child
+    starts or the hub is asked (specdec.tokenizer.resolve_model's rule)."""
+    from specdec.tokenizer import ModelLoadError, resolve_model
+
+    for flag, model in models.items():
+        try:
+            resolve_model(model)
+        except ModelLoadError as exc:
+            raise SystemExit(f"specdec up: {flag}: {exc}")
 
 
 SERVICES = ("coordinator", "draft", "target")

@@ -27,7 +27,8 @@ from specdec.types import Source, SamplingParams, TokenLogprobs
 from coordinator.round_loop import RoundLoop
 from coordinator.api.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                          SpecdecFields, TokenText, chat_logprobs, completion_logprobs, error_body,
-                                         new_id, now, specdec_object, usage)
+                                         new_id, now, specdec_object, unsupported_message, usage,
+                                         validation_message)
 from coordinator.request import GenerationRequest
 from coordinator.rounds import Chunk
 from coordinator.stats import GenerationStats
@@ -228,13 +229,8 @@ class OpenAIApi:
         try:
             parsed = kind.model_validate(data, strict=True)  # as OpenAI's API: "4" is not a number
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            got = first.get("input")
-            sent = json.dumps(got) if isinstance(got, (str, int, float, bool)) else ""
-            sent = f", got {sent}" if sent and len(sent) <= 80 else ""
-            raise ApiError(400, f"{where}: {first['msg']}{sent}",
-                           param=str(first["loc"][0]) if first["loc"] else None, code="invalid_value") from None
+            message, param = validation_message(kind, exc)
+            raise ApiError(400, message, param=param, code="invalid_value") from None
         if parsed.model_extra:
             log.info("OpenAI API: ignored unknown fields %s", ", ".join(sorted(parsed.model_extra)))
         if parsed.model not in self.served_names:
@@ -243,8 +239,7 @@ class OpenAIApi:
                            f"--served-model-name)", param="model", code="model_not_found")
         unsupported = parsed.unsupported()
         if unsupported:
-            raise ApiError(400, f"{unsupported} is not supported yet: leave it unset "
-                           f"(n and best_of may be 1)", param=unsupported, code="unsupported_parameter")
+            raise ApiError(400, unsupported_message(unsupported), param=unsupported, code="unsupported_parameter")
         return parsed
 
     @staticmethod

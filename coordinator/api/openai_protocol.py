@@ -8,13 +8,15 @@ refused with a message naming them (`unsupported`), not silently ignored.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
+import typing
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdec.config import names_of
 from specdec.types import MAX_TOP_LOGPROBS, TokenLogprobs
@@ -35,9 +37,10 @@ FINISH_REASONS = {
 
 def default_model_name(model_id: str) -> str:
     """The name a model is served under by default: a hub id ("Qwen/Qwen2.5-0.5B") as it is, a
-    path (a directory, a .gguf file) by its base name less .gguf: never a file system path."""
+    path (a directory, a .gguf file; one that exists here, as `tiny/target`, is one) by its base
+    name less .gguf: never a file system path."""
     is_path = (os.path.isabs(model_id) or model_id.startswith((".", "~")) or model_id.count("/") > 1
-               or model_id.endswith(".gguf"))
+               or model_id.endswith(".gguf") or os.path.exists(os.path.expanduser(model_id)))
     if not is_path:
         return model_id
     base = os.path.basename(model_id.rstrip("/")) or model_id
@@ -47,6 +50,56 @@ def default_model_name(model_id: str) -> str:
 def served_model_names(configured: str, model_id: str) -> tuple[str, ...]:
     """The names the API answers to (--served-model-name, comma-separated), else the default."""
     return names_of(configured) or (default_model_name(model_id),)
+
+
+# what an OpenAI field not supported yet may be set to all the same: its neutral value
+NEUTRAL_VALUES = {"n": "1", "best_of": "1", "logit_bias": "{}", "presence_penalty": "0",
+                  "frequency_penalty": "0", "echo": "false", "suffix": '""', "tools": "[]",
+                  "response_format": '{"type": "text"}'}
+
+
+def unsupported_message(name: str) -> str:
+    """The 400 message of a field set that the coordinator cannot honour yet."""
+    neutral = NEUTRAL_VALUES.get(name)
+    return f"{name} is not supported yet: leave it unset" + (f" or {neutral}" if neutral else "")
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (list[ChatMessage] -> ChatMessage), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((found for arg in typing.get_args(annotation) if (found := _model_in(arg))), None)
+
+
+def field_path(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """A validation error's location as the request wrote it (messages[0].role): field names and
+    list indexes, without pydantic's union branches (prompt.str) or validator tags."""
+    path, current = "", model
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif current is not None and part in current.model_fields:
+            path += ("." if path else "") + part
+            current = _model_in(current.model_fields[part].annotation)
+    return path
+
+
+def validation_message(model: type[BaseModel], error: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of a request body that fails validation: the first field at fault as
+    written, what every type it may take says (a union's branches in one line), what was sent."""
+    errors = error.errors()
+    where = field_path(model, tuple(errors[0]["loc"]))
+    said: list[str] = []
+    for each in errors:
+        text = each["msg"] if not said else each["msg"].removeprefix("Input should be ")
+        if field_path(model, tuple(each["loc"])) == where and text not in said:
+            said.append(text)
+    got = errors[0].get("input")
+    sent = json.dumps(got) if isinstance(got, (str, int, float, bool)) else ""
+    sent = f", got {sent}" if sent and len(sent) <= 80 else ""
+    if not where:  # a check across fields (a model validator): its own message says which
+        return " or ".join(said).removeprefix("Value error, "), None
+    return f"{where}: {' or '.join(said)}{sent}", where.split(".")[0].split("[")[0]
 
 
 class StreamOptions(BaseModel):

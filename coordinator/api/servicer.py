@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specdec.errors import InvalidArgument
+from specdec.fields import Field
 from specdec.rpc.convert import logprobs_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.types import Source
@@ -29,6 +31,14 @@ PROPOSER_FROM_PB = {
     coordinator_pb2.PROPOSER_NONE: Source.NONE,
     coordinator_pb2.PROPOSER_HEADS: Source.HEADS,
 }
+
+
+def named_session(session_id: str, call: str) -> str:
+    """The session a GetSession or DeleteSession names; INVALID_ARGUMENT when it names none."""
+    if not session_id:
+        raise InvalidArgument(f"{call} needs a session_id: the id a Generate or Complete response "
+                              "returned (session_id is empty)", Field.SESSION_ID)
+    return session_id
 
 
 def proposer_from_pb(value: int) -> Source | str | None:
@@ -90,7 +100,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     async def GetSession(self, request, context):
-        record = await self.round_loop.get_session(request.session_id)
+        record = await self.round_loop.get_session(named_session(request.session_id, "GetSession"))
         return coordinator_pb2.GetSessionResponse(
             session_id=record.session_id, token_ids=record.token_ids, requests=record.requests,
             stats=stats_to_pb(GenerationStats.from_dict(record.stats)),
@@ -99,5 +109,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     async def DeleteSession(self, request, context):
-        deleted = await self.round_loop.delete_session(request.session_id)
+        deleted = await self.round_loop.delete_session(named_session(request.session_id, "DeleteSession"))
         return coordinator_pb2.DeleteSessionResponse(deleted=deleted)

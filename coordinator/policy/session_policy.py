@@ -296,7 +296,7 @@ class SessionPolicy:
             horizon = horizon if fixed_gamma is None else NO_HORIZON  # a fixed γ gets what it asked for
             choice = self._explore(caps, fixed_gamma, horizon, load) or self._best(
                 caps, fixed_gamma, lookup_order, load, 0 if fixed_gamma is not None else max_tree_nodes, heads,
-                horizon)
+                horizon, held=mode == Source.HEADS)
         if choice.source == Source.HEADS and not choice.tree_nodes and heads is not None:
             nodes = (warmup_nodes(choice.gamma, heads) if fixed_gamma is None
                      else max(choice.gamma, min(fixed_gamma, heads.nodes_most(choice.gamma))))
@@ -373,11 +373,11 @@ class SessionPolicy:
 
     def _best(self, caps: dict[Source, int], fixed_gamma: int | None, lookup_order: int = 0,
               load: int = 1, max_tree_nodes: int = 0, heads: HeadsAtHand | None = None,
-              horizon: Horizon = NO_HORIZON) -> Choice:
+              horizon: Horizon = NO_HORIZON, held: bool = False) -> Choice:
         """The eligible source and γ (a draft round: or tree; heads: their tree) with the largest
         estimated speedup over the tokens left (`horizon`: the draft's catch-up, a plain round
-        that reads the heads); none when no source beats plain decoding (with a fixed γ a source
-        is always used)."""
+        that reads the heads); none when no source beats plain decoding (with a fixed γ, or a
+        request `held` to heads, whose every Verify pays for reading them, a source is used)."""
         options = [] if horizon.heads_next is None else self._heads_next(horizon, max(caps.values()), load)
         for source, cap in caps.items():
             if source == Source.HEADS:
@@ -407,7 +407,7 @@ class SessionPolicy:
         if not options:
             return Choice(Source.NONE, 0, "best")
         top = max(options, key=lambda option: option.speedup)  # ties: the first (draft)
-        if fixed_gamma is None and top.speedup <= 1.0 + self.config.min_gain:
+        if fixed_gamma is None and not held and top.speedup <= 1.0 + self.config.min_gain:
             return Choice(Source.NONE, 0, "best")
         if top.speedup > 1.0 + self.config.min_gain and top.source in self.sources:  # it wins (not forced):
             # once it stops, it is probed soon (its α may have dipped on a few rounds)

@@ -93,6 +93,26 @@ def _keys(session_id: str) -> tuple[str, str, str]:
     return base + ":meta", base + ":tokens", base + ":lease"
 
 
+class Reachability:
+    """Whether the store answers, logged once per change: a WARNING when it stops answering (its
+    URL redacted, and why), an INFO when it answers again; calls in between log nothing."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where  # the store's redacted URL
+        self.up = True
+
+    def failed(self, exc: Exception) -> None:
+        if self.up:
+            self.up = False
+            log.warning("session store %s is unreachable (%s: %s): requests answer UNAVAILABLE until it "
+                        "answers again", self.where, exc.__class__.__name__, exc)
+
+    def answered(self) -> None:
+        if not self.up:
+            self.up = True
+            log.info("session store %s answers again", self.where)
+
+
 class RedisSessionStore:
     """`SessionStore` over Redis; see the module docstring for the layout."""
 
@@ -111,16 +131,20 @@ class RedisSessionStore:
         self._release = self.client.register_script(RELEASE_SCRIPT)
         self._announcer: asyncio.Task | None = None  # rewrites this coordinator's liveness key
         self._background: set[asyncio.Task] = set()  # releases waiting for Redis to come back
+        self.reachability = Reachability(redacted_url(url))
 
     def _unavailable(self, exc: Exception) -> Unavailable:
-        return Unavailable(f"session store {redacted_url(self.url)} is unreachable or refused us "
-                           f"({exc.__class__.__name__}: {exc}); retry when it is back")
+        """What a client is told: no address of the store (the log has it, redacted)."""
+        self.reachability.failed(exc)
+        return Unavailable(f"the session store is unreachable or refused the coordinator "
+                           f"({exc.__class__.__name__}); retry when it is back")
 
     async def ping(self) -> None:
         try:
             await self.client.ping()
         except RedisError as exc:
             raise self._unavailable(exc) from exc
+        self.reachability.answered()
 
     async def create(self) -> SessionRecord:
         record = SessionRecord(session_id=uuid.uuid4().hex)
@@ -132,6 +156,7 @@ class RedisSessionStore:
                 await pipe.execute()
         except RedisError as exc:
             raise self._unavailable(exc) from exc
+        self.reachability.answered()
         return record
 
     async def get(self, session_id: str) -> SessionRecord:
@@ -143,6 +168,7 @@ class RedisSessionStore:
                 meta, tokens = await pipe.execute()
         except RedisError as exc:
             raise self._unavailable(exc) from exc
+        self.reachability.answered()
         if not meta:
             raise not_found_error(session_id)
         record = SessionRecord(
@@ -159,15 +185,15 @@ class RedisSessionStore:
 
     async def _announce(self) -> None:
         await self.client.set(HOLDER_PREFIX + self.holder_id, "1", px=self.holder_ttl_ms)
+        self.reachability.answered()
 
     async def _keep_announcing(self) -> None:
         while True:
             await asyncio.sleep(self.holder_ttl_ms / 3000)
             try:
                 await self._announce()
-            except RedisError as exc:
-                log.warning("could not refresh this coordinator's liveness key in %s (%s)",
-                            redacted_url(self.url), exc)
+            except RedisError as exc:  # this coordinator's liveness key lapses meanwhile
+                self.reachability.failed(exc)
 
     async def _start_announcing(self) -> None:
         """Before the first lease: its holder's liveness key exists before the lease does."""
@@ -246,6 +272,7 @@ class RedisSessionStore:
                       json.dumps(self._meta(record)), *new_tokens])
         except RedisError as exc:
             raise self._unavailable(exc) from exc
+        self.reachability.answered()
         self._lease_lost(record.session_id, result)
         if result == -3:
             raise FailedPrecondition(

@@ -18,7 +18,7 @@ from specdec.distill.heads_training import TOP_N, HeadsData, HeadsTrainer, accur
     proposal_vocabulary, vocab_coverage
 from specdec.distill.objectives import Loss
 from specdec.distill.run import REPORT_FILE, DistillConfig, Progress, Report, _load, \
-    read_sequences, resumed, start_run
+    loss_ends, read_sequences, resumed, start_run
 from specdec.distill.trainer import TrainSettings
 from specdec.runtime.heads import HeadsMeta, MedusaHeads, load_heads, save_heads, target_identity
 
@@ -61,10 +61,6 @@ class HeadsReport(Report):
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
-
-
-def _mean(values: list[float]) -> float | None:
-    return round(sum(values) / len(values), 6) if values else None
 
 
 def _check(config: DistillConfig) -> None:
@@ -135,8 +131,8 @@ def distill_heads(config: DistillConfig) -> HeadsReport:
                          data={"positions": data.positions, "held_out_sequences": len(data.held_hidden),
                                "held_out_positions": data.held_positions, **data.summary,
                                "softmax_ids_per_step": round(sum(counts) / len(counts)) if counts else None},
-                         before=data.before, after=after, loss_first=_mean(losses[:10]),
-                         loss_last=_mean(losses[-10:]), steps=len(losses), seconds=seconds, served=served)
+                         before=data.before, after=after, loss_first=loss_ends(losses)[0],
+                         loss_last=loss_ends(losses)[1], steps=len(losses), seconds=seconds, served=served)
     save_heads(out, loaded, replace(meta, report=report.to_json()), vocab_ids)
     (out / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if not config.keep_checkpoint:

@@ -80,7 +80,7 @@ class Report:
     data: dict                  # windows, positions, held-out sequences and positions, sources
     before: dict                # Alignment.to_json() of the draft as given
     after: dict                 # ... of the written draft, loaded back from OUT
-    loss_first: float | None    # mean loss of the first 10 steps
+    loss_first: float | None    # mean loss of the first 10 steps (loss_ends: fewer in a short run)
     loss_last: float | None     # mean loss of the last 10 steps
     steps: int                  # steps trained in all
     seconds: dict = field(default_factory=dict)  # per stage: prepare, teacher, alpha_before, train, ...
@@ -276,7 +276,7 @@ def distill(config: DistillConfig) -> Report:
                     data={"windows": len(prepared.windows), "positions": prepared.positions,
                           "held_out_sequences": len(prepared.held_out), **prepared.summary},
                     before=prepared.alpha_before, after=after.to_json(),
-                    loss_first=_mean(losses[:10]), loss_last=_mean(losses[-10:]), steps=len(losses),
+                    loss_first=loss_ends(losses)[0], loss_last=loss_ends(losses)[1], steps=len(losses),
                     seconds=seconds)
     (out / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if not config.keep_checkpoint:
@@ -286,3 +286,13 @@ def distill(config: DistillConfig) -> Report:
 
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 6) if values else None
+
+
+LOSS_WINDOW = 10  # steps whose mean loss the report shows at each end of a run
+
+
+def loss_ends(losses: list[float]) -> tuple[float | None, float | None]:
+    """(mean loss of the first steps, of the last steps): LOSS_WINDOW steps each, fewer in a short
+    run so the two never share a step (5 steps: the first 2 and the last 2; 1 step: that one)."""
+    window = max(1, min(LOSS_WINDOW, len(losses) // 2))
+    return _mean(losses[:window]), _mean(losses[-window:])

@@ -23,6 +23,8 @@ def status_of(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
     (dict(token_ids=[1, 10**6]), INVALID, "outside the vocabulary"),
     (dict(messages=[]), INVALID, "messages is empty"),
     (dict(messages=[("", "hi")]), INVALID, "role"),
+    (dict(messages=[("wizard", "hi")]), INVALID,
+     "unknown chat role 'wizard': a message's role is one of system, user, assistant, tool"),
     (dict(prompt="hi", temperature=-0.5), INVALID, "temperature must be a finite number >= 0"),
     (dict(prompt="hi", temperature=1.0, top_p=0.0), INVALID, "top_p must be in (0, 1]"),
     (dict(prompt="hi", temperature=1.0, top_p=1.5), INVALID, "top_p must be in (0, 1]"),
@@ -49,6 +51,13 @@ def test_unknown_session_lookups(llama_cluster):
     assert code == grpc.StatusCode.NOT_FOUND and "nope" in details
     response = llama_cluster.stub.DeleteSession(coordinator_pb2.DeleteSessionRequest(session_id="nope"))
     assert response.deleted is False
+    for call, request in ((llama_cluster.stub.GetSession, coordinator_pb2.GetSessionRequest()),
+                          (llama_cluster.stub.DeleteSession, coordinator_pb2.DeleteSessionRequest())):
+        code, details = status_of(call, request)
+        assert code == INVALID, details
+        assert details.startswith("GetSession needs a session_id" if call == llama_cluster.stub.GetSession
+                                  else "DeleteSession needs a session_id"), details
+        assert "omit" not in details
 
 
 def test_session_is_leased_by_one_request_at_a_time(llama_cluster):

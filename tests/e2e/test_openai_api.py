@@ -221,6 +221,17 @@ def test_errors(client, base_url, model_id):
     assert error["param"] == "top_k" and "top_k must be" in error["message"], error
     assert _error(httpx.post(f"{base_url}/v1/chat/completions", json={
         "model": model_id, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400)
+    # a field named as the request wrote it, without pydantic's union branches; each hint its own
+    error = _error(httpx.post(url, json={**base, "prompt": 5}), 400)
+    assert error["param"] == "prompt" and error["message"] == (
+        "prompt: Input should be a valid string or a valid list, got 5"), error
+    error = _error(httpx.post(chat_url, json={**chat, "messages": [{"role": "user", "content": 5}]}), 400)
+    assert error["param"] == "messages" and error["message"].startswith("messages[0].content: "), error
+    error = _error(httpx.post(url, json={**base, "presence_penalty": 0.5}), 400)
+    assert error["message"] == "presence_penalty is not supported yet: leave it unset or 0", error
+    error = _error(httpx.post(chat_url, json={**chat, "messages": [{"role": "wizard", "content": "hi"}]}), 400)
+    assert error["param"] == "messages" and error["message"] == (
+        "unknown chat role 'wizard': a message's role is one of system, user, assistant, tool"), error
     assert _error(httpx.post(url, json={**base, "session_id": "no-such-session"}), 404)["code"] == "not_found"
     assert _error(httpx.post(url, json={**base, "session_id": "no-such-session", "stream": True}), 404)
     assert _error(httpx.get(f"{base_url}/v1/nothing-here"), 404)

@@ -20,7 +20,7 @@ def run_cli(*args, timeout=180, env=None):
 def test_generate_json(llama_cluster):
     address = f"127.0.0.1:{llama_cluster.coordinator.port}"
     result = run_cli("generate", "--address", address, "--max-new-tokens", "12", "--gamma", "3",
-                     "--ignore-eos", "--json", "def fibonacci(n):")
+                     "--ignore-eos", "--json", "--temperature", "0", "def fibonacci(n):")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
@@ -38,7 +38,7 @@ def test_generate_proposer(llama_cluster, proposer):
     address = f"127.0.0.1:{llama_cluster.coordinator.port}"
     prompt = "ab ab ab ab ab"
     result = run_cli("generate", "--address", address, "--max-new-tokens", "10", "--ignore-eos", "--json",
-                     "--proposer", proposer, prompt)
+                     "--temperature", "0", "--proposer", proposer, prompt)
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)["stats"]
     expected = llama_cluster.complete(prompt=prompt, max_new_tokens=10, ignore_eos=True, num_speculative_tokens=0)
@@ -59,6 +59,28 @@ def test_generate_reports_bad_input(llama_cluster):
     assert result.returncode == 2 and "omit --session" in result.stderr and "session_id" not in result.stderr
     result = run_cli("generate", "--address", address, "--max-new-tokens", "0", "hi")
     assert result.returncode == 2 and "--max-new-tokens must be in [1, " in result.stderr, result.stderr
+
+
+def test_generate_without_a_coordinator_says_how_to_start_one():
+    """A server-side failure exits 1 (2 is for usage), in one line that says what to do."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    result = run_cli("generate", "--address", f"127.0.0.1:{port}", "--timeout", "20", "hi")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"specdec generate: no coordinator at 127.0.0.1:{port}: start one with `specdec up` "
+        "(or point --address at one)"], result.stderr
+
+
+def test_generate_samples_at_the_apis_default_temperature():
+    """`specdec generate` with no --temperature asks what the gRPC and HTTP APIs default to."""
+    from specdec_cli.generate import build_request
+    from specdec_cli.main import build_parser
+
+    request = build_request(build_parser().parse_args(["generate", "hi"]))
+    assert request.sampling.temperature == 1.0
+    assert build_request(build_parser().parse_args(["generate", "--temperature", "0", "hi"])).sampling.temperature == 0
 
 
 def _free_port_block() -> int:

@@ -10,7 +10,7 @@ import pytest
 from bench import pace
 from bench.pace_tables import TABLES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _measured(tokens: int, rounds: int, draft_rounds: int = 0, draft_tokens: int = 0) -> dict:

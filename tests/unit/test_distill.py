@@ -61,10 +61,24 @@ def test_the_benchmark_scales_a_short_runs_rates_to_a_full_run():
     (["--heads", "-1"], "--heads must be >= 1"),
     (["--heads", "2", "--draft", "D"], "give no --draft"),
     (["--heads", "2", "--lora-rank", "4"], "--lora-rank is for drafts"),
+    (["--draft", "D", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--heads", "2", "--steps", "0"], "--steps must be >= 1, got 0"),
 ])
 def test_the_cli_says_what_a_distill_run_lacks(argv, message, capsys):
     with pytest.raises(SystemExit, match=message):
         main(["distill", "--target", "T", "--out", "O", *argv])
+
+
+@pytest.mark.parametrize("losses, ends", [
+    ([5.0, 4.0, 3.0, 2.0, 1.0], (4.5, 1.5)),           # a 5-step run: the first 2 against the last 2
+    ([7.0], (7.0, 7.0)),                                # one step: that one
+    ([], (None, None)),
+    ([1.0] * 10 + [0.5] * 20 + [0.25] * 10, (1.0, 0.25)),  # a long run: 10 steps at each end
+])
+def test_a_short_runs_report_compares_steps_it_does_not_share(losses, ends):
+    from specdec.distill.run import loss_ends
+
+    assert loss_ends(losses) == ends
 
 
 def test_several_prompts_files_are_read_in_the_order_given(tmp_path):

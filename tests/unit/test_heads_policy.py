@@ -239,6 +239,20 @@ def test_a_steep_verify_curve_shrinks_the_heads_tree_and_the_depth_falls_with_th
     assert chains.tree_nodes == chains.gamma
 
 
+def test_a_request_held_to_heads_takes_them_every_round_they_are_at_hand():
+    """Its every Verify pays for reading the heads, so their tree is used even where the policy
+    would decode plainly under auto; a round without proposals at hand still decodes one token."""
+    losing = [0.02, 0.01, 0.01]  # each verified token costs and nothing is right: auto decodes plainly
+    auto = pinned_policy(losing, 0.05, draft_alpha=None, heads_b=0.02)
+    assert auto.choose(max_gamma=8, draft_available=False, heads=AT_HAND).source == Source.NONE
+    held = pinned_policy(losing, 0.05, draft_alpha=None, heads_b=0.02)
+    for _ in range(3 * held.config.probe_interval):
+        choice = held.choose(max_gamma=8, heads=AT_HAND, mode=Source.HEADS)
+        assert (choice.source, choice.reason) == (Source.HEADS, "best")
+        assert 1 <= choice.gamma <= AT_HAND.depth and choice.gamma <= choice.tree_nodes
+    assert held.choose(max_gamma=8, heads=None, mode=Source.HEADS).source == Source.NONE
+
+
 def heads_speculation() -> Speculation:
     return Speculation(8, 4, cost_ratio=0.1)  # pinned: verification flat
 

@@ -17,16 +17,21 @@ from specdec.errors import FailedPrecondition, Unavailable
 from tests.service.test_redis_store import run
 
 
-def test_unreachable_redis_is_unavailable_with_a_clear_message():
+def test_unreachable_redis_is_unavailable_with_a_clear_message(caplog):
+    """The client is told what failed, not where the store lives; the log names it, redacted."""
     async def body():
         store = RedisSessionStore("redis://:secret@127.0.0.1:1/0", socket_timeout_s=0.5)
         try:
             with pytest.raises(Unavailable) as info:
                 await store.create()
-            assert "127.0.0.1:1" in str(info.value) and "secret" not in str(info.value)
+            message = str(info.value)
+            assert message.startswith("the session store is unreachable") and "retry when it is back" in message
+            assert "127.0.0.1" not in message and ":1" not in message and "secret" not in message, message
         finally:
             await store.close()
-    run(body())
+    with caplog.at_level("WARNING", logger="coordinator.sessions.redis_store"):
+        run(body())
+    assert "redis://***@127.0.0.1:1/0 is unreachable" in caplog.text and "secret" not in caplog.text
 
 
 def test_open_store_rejects_unknown_scheme():

@@ -197,14 +197,22 @@ def chi2_pvalue(observed, probs) -> float:
 
 
 def _emitted_distribution(p_rows, q_rows, draws, gamma, seed=0):
-    """Counts of (first emitted token) and (second emitted token) over `draws` rounds."""
+    """Counts of (first emitted token) and (second emitted token) over `draws` rounds. The drafts
+    of all rounds are drawn from q at once (each position independently, as the draft draws
+    them), and each distinct tuple's DraftQ built once: the rounds' verification, the code under
+    test, still runs one round at a time."""
     vocab = p_rows.shape[1]
     generator = make_generator(seed)
     first = np.zeros(vocab)
     second = np.zeros(vocab)
-    for _ in range(draws):
-        drafts = [int(torch.multinomial(q_rows[i], 1, generator=generator)) for i in range(gamma)]
-        verdict = accept_sampled(drafts, DraftQ.from_dense(q_rows[:gamma], drafts), p_rows[: gamma + 1], generator)
+    drawn = torch.stack([torch.multinomial(q_rows[i], draws, replacement=True, generator=generator)
+                         for i in range(gamma)], dim=1).tolist()  # [draws, γ]
+    draft_qs: dict[tuple[int, ...], DraftQ] = {}
+    for drafts in drawn:
+        key = tuple(drafts)
+        if key not in draft_qs:
+            draft_qs[key] = DraftQ.from_dense(q_rows[:gamma], drafts)
+        verdict = accept_sampled(drafts, draft_qs[key], p_rows[: gamma + 1], generator)
         tokens = verdict.committed(drafts)
         first[tokens[0]] += 1
         if len(tokens) > 1:
