@@ -94,21 +94,23 @@ class GraphEngine(SessionEngine):
 
     def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int | float, max_speculative_tokens: int,
                  prefill_chunk: int = 512, block_size: int = 16, buckets: Buckets | None = None,
-                 capture: bool | None = None):
+                 capture: bool | None = None, model: GraphModel | None = None, kv_type: Any = PagedKV):
         """kv_cache_bytes: the pool's budget in bytes, or a float in (0, 1]: that fraction of the
-        device's free memory (CUDA only); capture: CUDA graphs at start (default: on CUDA)."""
+        device's free memory (CUDA only); capture: CUDA graphs at start (default: on CUDA);
+        model and kv_type: rank 0's shard and pool under tensor parallelism (graph/ranks.py),
+        else the model is loaded.model's and the pool a PagedKV."""
         hf = loaded.model
         self.hf_config = hf.config  # what the K/V tier keys chunks with
         context = max_context_length(hf, loaded.tokenizer)
         eos = eos_token_ids(hf, loaded.tokenizer)
-        self.model = GraphModel.from_hf(hf, consume=True)
+        self.model = model if model is not None else GraphModel.from_hf(hf, consume=True)
         self.device = self.model.device
         self.tokenizer = loaded.tokenizer
         self.kv_spec = self.model.pool_spec(block_size)
         context = min(context, self.model.arch.max_context)
         budget = pool_budget(budget_bytes(kv_cache_bytes, self.device), max_sessions, context,
                              self.kv_spec.bytes_per_token)
-        self.kv = PagedKV(self.kv_spec, blocks_for(self.kv_spec, budget))
+        self.kv = kv_type(self.kv_spec, blocks_for(self.kv_spec, budget))
         self.graph = CudaGraphRunner(self.model, self.kv, buckets, capture)
         self.max_speculative_tokens = max_speculative_tokens
         self.draft_loop: DraftLoop | None = None  # made by drafting(): only a draft service drafts

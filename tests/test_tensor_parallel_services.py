@@ -1,0 +1,76 @@
+"""--tensor-parallel-size through the services (issue 45): refused where it cannot run, naming
+what to do; at N = 2 (gloo ranks on the CPU started by the target service) greedy output through
+the three services equals the HF model alone, chains, trees and concurrent sessions."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from specdec.config import TargetConfig
+from specdec.runtime.engines import engine_from_config
+from specdec.runtime.graph import ranks
+from specdec.tokenizer import ModelLoadError
+from specdec.v1 import coordinator_pb2
+from tests.cluster import Cluster
+from tests.test_e2e_greedy import reference
+
+pytestmark = pytest.mark.e2e
+
+GRAPH = {"backend": "graph", "kv_cache_bytes": 8 << 20}
+PROMPTS = ["def fibonacci(n):", "The quick brown fox"]
+NEW_TOKENS = 16
+DRAFT = coordinator_pb2.PROPOSER_DRAFT
+
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+def test_the_flag_on_another_engine_names_the_graph_backend(models, backend):
+    model = models["llama"]["target"] + ("/missing.gguf" if backend == "llama.cpp" else "")
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 2 .*--backend graph"):
+        engine_from_config(TargetConfig(model=model, backend=backend, tensor_parallel_size=2))
+
+
+def test_heads_that_do_not_divide_are_refused_before_any_rank_starts(models):
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 3 must divide the model's 4 attention heads"):
+        engine_from_config(TargetConfig(model=models["llama"]["target"], tensor_parallel_size=3, **GRAPH))
+    assert not ranks.LEADERS
+
+
+@pytest.fixture(scope="module")
+def tp_cluster(models, tmp_path_factory):
+    """A graph draft, and the llama target at TP 2 (4 heads, 2 K/V heads: one each)."""
+    target = models["llama"]["target"]
+    try:
+        with Cluster(models["llama"]["draft"], target, draft=GRAPH,
+                     target={**GRAPH, "tensor_parallel_size": 2, "prefix_cache_bytes": 0}) as cluster:
+            yield cluster
+    finally:
+        ranks.stop_all()  # the rank processes end with the test, passed or failed
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    return reference(models["llama"]["target"], PROMPTS, NEW_TOKENS)
+
+
+def test_greedy_chains_and_trees_at_tp_2_equal_the_hf_model(tp_cluster, expected):
+    engine = tp_cluster.target_servicer.engine
+    assert isinstance(engine.model, ranks.LeaderModel) and engine.model.parallel.size == 2
+    assert engine.model.arch.heads == 2 and engine.kv_spec.kv_heads == 1  # rank 0's half
+    for gamma, nodes in ((1, 0), (4, 0), (3, 6)):
+        for prompt in PROMPTS:
+            response = tp_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                           num_speculative_tokens=gamma, tree_nodes=nodes, proposer=DRAFT)
+            assert list(response.token_ids) == expected[prompt], (gamma, nodes, prompt)
+            assert response.stats.acceptance_rate < 1.0  # an unrelated draft: rejections rolled back
+
+
+def test_concurrent_sessions_at_tp_2_each_get_their_own_output(tp_cluster, expected):
+    jobs = [(prompt, gamma, nodes) for prompt in PROMPTS for gamma, nodes in ((2, 0), (4, 0), (3, 6), (2, 4))]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        done = list(pool.map(lambda job: tp_cluster.complete(
+            prompt=job[0], max_new_tokens=NEW_TOKENS, num_speculative_tokens=job[1], tree_nodes=job[2],
+            proposer=DRAFT, ignore_eos=True), jobs))
+    for job, response in zip(jobs, done):
+        assert list(response.token_ids) == expected[job[0]], job
