@@ -74,3 +74,17 @@ def test_concurrent_sessions_at_tp_2_each_get_their_own_output(tp_cluster, expec
             proposer=DRAFT, ignore_eos=True), jobs))
     for job, response in zip(jobs, done):
         assert list(response.token_ids) == expected[job[0]], job
+
+
+def test_up_passes_the_size_to_the_target_only():
+    from specdec.config import TargetConfig, from_sources
+    from specdec_cli import up
+    from specdec_cli.main import build_parser
+
+    addresses = {"draft": "127.0.0.1:6001", "target": "127.0.0.1:6002"}
+    argvs = up.commands(build_parser().parse_args(["up", "--tensor-parallel-size", "2"]), "D", "T", addresses)
+    assert "--tensor-parallel-size" not in argvs["draft"]
+    target = build_parser().parse_args(argvs["target"][argvs["target"].index("serve"):])
+    assert from_sources(TargetConfig, "target", vars(target), env={}).tensor_parallel_size == 2
+    plain = up.commands(build_parser().parse_args(["up"]), "D", "T", addresses)["target"]
+    assert "--tensor-parallel-size" not in plain
