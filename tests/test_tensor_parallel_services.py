@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
+import redis
 
 from specdec.config import TargetConfig
 from specdec.runtime.engines import engine_from_config
@@ -15,6 +16,8 @@ from specdec.tokenizer import ModelLoadError
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference
+from tests.test_kv_tier import history
+from tests.test_sources import target_only
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +41,23 @@ def test_heads_that_do_not_divide_are_refused_before_any_rank_starts(models):
 
 
 @pytest.fixture(scope="module")
-def tp_cluster(models, tmp_path_factory):
-    """A graph draft, and the llama target at TP 2 (4 heads, 2 K/V heads: one each)."""
+def tp_redis(redis_url):
+    """Redis DB 12 of the suite's server, emptied of K/V chunks."""
+    url = redis_url.rsplit("/", 1)[0] + "/12" if redis_url.rsplit("/", 1)[-1].isdigit() else redis_url + "/12"
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter("specdec:kv:*"):
+        client.delete(key)
+    return url
+
+
+@pytest.fixture(scope="module")
+def tp_cluster(models, tp_redis):
+    """A graph draft, and the llama target at TP 2 (4 heads, 2 K/V heads: one each) keeping its
+    K/V chunks in Redis."""
     target = models["llama"]["target"]
+    tp = {**GRAPH, "tensor_parallel_size": 2, "prefix_cache_bytes": 0, "kv_store": tp_redis, "kv_chunk_tokens": 16}
     try:
-        with Cluster(models["llama"]["draft"], target, draft=GRAPH,
-                     target={**GRAPH, "tensor_parallel_size": 2, "prefix_cache_bytes": 0}) as cluster:
+        with Cluster(models["llama"]["draft"], target, draft=GRAPH, target=tp) as cluster:
             yield cluster
     finally:
         ranks.stop_all()  # the rank processes end with the test, passed or failed
@@ -88,3 +102,14 @@ def test_up_passes_the_size_to_the_target_only():
     assert from_sources(TargetConfig, "target", vars(target), env={}).tensor_parallel_size == 2
     plain = up.commands(build_parser().parse_args(["up"]), "D", "T", addresses)["target"]
     assert "--tensor-parallel-size" not in plain
+
+
+def test_a_prompt_s_k_v_restored_from_redis_at_tp_2_continues_as_the_hf_model(tp_cluster, models):
+    engine = tp_cluster.target_servicer.engine
+    prompt = history(70, seed=7)
+    fields = dict(max_new_tokens=8, ignore_eos=True, proposer=DRAFT, num_speculative_tokens=3)
+    first = tp_cluster.complete(token_ids=prompt, **fields)
+    assert engine.kv_tier.writer.flush(10)
+    again = tp_cluster.complete(token_ids=prompt, **fields)  # a new session: its prompt's chunks are in Redis
+    assert again.stats.target_restored_tokens >= 64
+    assert list(first.token_ids) == list(again.token_ids) == target_only(models["llama"]["target"], prompt, 8)

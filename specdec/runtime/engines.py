@@ -134,6 +134,8 @@ def _load_engine(config) -> ModelEngine:
 def graph_engine(config) -> ModelEngine:
     """The graph engine: plain (unquantized, unpacked) weights; its CUDA graphs
     captured by its warm-up, before the service starts serving."""
+    from types import SimpleNamespace
+
     from specdec.runtime.graph.engine import graph_engine_from_config
     from specdec.runtime.kv_tier import tensors_digest
     from specdec.runtime.loader import load_model
@@ -145,7 +147,12 @@ def graph_engine(config) -> ModelEngine:
     if getattr(config, "tensor_parallel_size", 1) > 1:  # ranks started by this service (graph/ranks.py)
         from specdec.runtime.graph.ranks import tensor_parallel_engine
 
-        return tensor_parallel_engine(config)
+        engine = tensor_parallel_engine(config)
+        chunks = SimpleNamespace(kv_spec=engine.chunk_spec, description=engine.description,
+                                 read_chunk=engine.read_chunk, load_chunks=engine.load_chunks)
+        engine.kv_tier = kv_tier_for(chunks, config, "graph", engine.hf_config,
+                                     lambda: tensors_digest(engine.named_weights().items()))
+        return engine
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
                         heads=getattr(config, "heads", ""))
     engine = graph_engine_from_config(config, loaded)

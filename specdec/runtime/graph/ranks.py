@@ -21,6 +21,7 @@ What this module decides:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -39,7 +40,7 @@ from specdec.runtime.graph.parallel import COLLECTIVE_TIMEOUT_S, TensorParallel,
 
 log = logging.getLogger(__name__)
 
-OP_STOP, OP_POOL, OP_FORWARD, OP_MOVE = 0, 1, 2, 3  # what a header asks the ranks to do
+OP_STOP, OP_POOL, OP_FORWARD, OP_MOVE, OP_READ, OP_WRITE = range(6)  # what a header asks the ranks to do
 HEADER = 8  # int64 words of a header: [op, then the op's numbers]
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the header's wait: as long as the service is idle
 EXIT_RANK_FAILED = 70  # the service's exit status when a rank died or a collective failed
@@ -176,8 +177,25 @@ class LeaderModel:
         return self.inner.logits(self.hidden_states(batch, pools, keep))
 
 
+def rows_at(kv: PagedKV, slots: Sequence[int]) -> torch.Tensor:
+    """The K/V of pool slots -> [layers, 2, kv_heads, n, head_dim] (a K/V chunk's layout)."""
+    index = torch.tensor(list(slots), dtype=torch.long, device=kv.spec.device)
+    rows = [pool.view(2, -1, kv.spec.kv_heads, kv.spec.head_dim)[:, index] for pool in kv.pools]
+    return torch.stack(rows).transpose(2, 3).contiguous()
+
+
+def write_rows(kv: PagedKV, slots: Sequence[int], chunk: torch.Tensor) -> None:
+    """Write chunk [layers, 2, kv_heads, n, head_dim] into pool slots."""
+    index = torch.tensor(list(slots), dtype=torch.long, device=kv.spec.device)
+    rows = chunk.to(device=kv.spec.device, dtype=kv.spec.dtype).transpose(2, 3)  # [layers, 2, n, kv_heads, dim]
+    for layer, pool in enumerate(kv.pools):
+        pool.view(2, -1, kv.spec.kv_heads, kv.spec.head_dim)[:, index] = rows[layer]
+
+
 class LeaderKV(PagedKV):
-    """Rank 0's pool: a tree's kept path moves the rows of every rank's pool."""
+    """Rank 0's pool: a tree's kept path moves the rows of every rank's pool; a K/V chunk is
+    every rank's heads in rank order ([layers, 2, kv_heads/N × N, n, dim]: gathered when read,
+    scattered when loaded), so K/V chunks hold the whole model's K/V."""
 
     def __init__(self, spec, num_blocks: int, leader: Leader):
         super().__init__(spec, num_blocks)
@@ -186,6 +204,30 @@ class LeaderKV(PagedKV):
     def move_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self.leader.send([OP_MOVE, len(src)], torch.tensor([*src, *dst], dtype=torch.long))
         super().move_slots(src, dst)
+
+    def read(self, session_id: str, begin: int, end: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        local = super().read(session_id, begin, end)  # checked first: [layers, 2, kv_heads/N, n, dim]
+        slots = self.slots_of(self._session(session_id), range(begin, end))
+        self.leader.send([OP_READ, len(slots)], torch.tensor(slots, dtype=torch.long))
+        parts = [torch.empty_like(local) for _ in range(self.leader.parallel.size)]
+        dist.gather(local, parts, dst=0, group=self.leader.parallel.group)
+        return torch.cat(parts, dim=2)  # [layers, 2, kv_heads/N × N, n, dim]
+
+    def extend(self, session_id: str, chunk: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        size = self.leader.parallel.size
+        if chunk.shape[2] != self.spec.kv_heads * size:
+            raise ValueError(f"a chunk of {chunk.shape[2]} K/V heads for {size} ranks of {self.spec.kv_heads}")
+        slots = self.append(session_id, chunk.shape[3])
+        self.leader.send([OP_WRITE, len(slots)], torch.tensor(slots, dtype=torch.long))
+        parts = [p.to(device=self.spec.device, dtype=self.spec.dtype).contiguous()
+                 for p in chunk.split(self.spec.kv_heads, dim=2)]
+        mine = torch.empty_like(parts[0])
+        dist.scatter(mine, parts, src=0, group=self.leader.parallel.group)
+        write_rows(self, slots, mine)
 
 
 def free_port() -> int:
@@ -261,6 +303,16 @@ def serve_rank(rank: int, size: int, init: str, model: str, dtype: str, device: 
                 n = args[0]
                 moves = parallel.broadcast(torch.empty(2 * n, dtype=torch.long, device=where)).tolist()
                 kv_pool.move_slots(moves[:n], moves[n:])
+            elif op in (OP_READ, OP_WRITE):
+                slots = parallel.broadcast(torch.empty(args[0], dtype=torch.long, device=where)).tolist()
+                spec = kv_pool.spec
+                if op == OP_READ:
+                    dist.gather(rows_at(kv_pool, slots), None, dst=0, group=parallel.group)
+                else:
+                    mine = torch.empty(spec.layers, 2, spec.kv_heads, len(slots), spec.head_dim, dtype=spec.dtype,
+                                       device=where)
+                    dist.scatter(mine, None, src=0, group=parallel.group)
+                    write_rows(kv_pool, slots, mine)
     dist.destroy_process_group()
 
 
@@ -292,7 +344,7 @@ def tensor_parallel_engine(config: Any) -> Any:
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ModelLoadError(f"--tensor-parallel-size {size} needs {size} CUDA devices; this process sees "
                              f"{torch.cuda.device_count()}")
-    for flag, value in (("--heads", getattr(config, "heads", "")), ("--kv-store", config.kv_store)):
+    for flag, value in (("--heads", getattr(config, "heads", "")),):
         if value:
             raise ModelLoadError(f"{flag} is not served at --tensor-parallel-size {size} yet; drop {flag} "
                                  "or serve with --tensor-parallel-size 1")
@@ -318,6 +370,9 @@ def tensor_parallel_engine(config: Any) -> Any:
                              config.max_speculative_tokens, config.prefill_chunk, buckets=Buckets(rows=rows),
                              capture=False, model=model, kv_type=functools.partial(LeaderKV, leader=leader))
         leader.send([OP_POOL, engine.kv.num_blocks, engine.kv_spec.block_size])
+        # K/V chunks hold every rank's heads, keyed for N (the config names it)
+        engine.chunk_spec = dataclasses.replace(engine.kv_spec, kv_heads=engine.kv_spec.kv_heads * size)
+        hf_config.tensor_parallel_size = size
     except BaseException:
         leader.stopped = True
         LEADERS.remove(leader)
