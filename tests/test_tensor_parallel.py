@@ -51,13 +51,25 @@ def test_qkv_rows_take_the_rank_s_query_key_and_value_heads():
     assert qkv_rows(plan, 4, 2, 3) == [(6, 12), (15, 18), (21, 24)]
 
 
+def mha_model():
+    """A tiny float64 Llama whose 4 query heads each have their own K/V head."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         initializer_range=0.5, tie_word_embeddings=True)
+    torch.manual_seed(9)
+    return AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Tiny float64 checkpoints: K/V heads above N (2 of 4 heads, qwen2 with biases) and below (1)."""
+    """Tiny float64 checkpoints at N = 2: K/V heads equal to N (2 of 4 heads, qwen2 with biases),
+    below it (mistral's 1: replicated) and above it (llama with 4 K/V heads of 4)."""
     out = {}
-    for arch in ("qwen2", "mistral"):
+    for arch in ("qwen2", "mistral", "llama-mha"):
         directory = tmp_path_factory.mktemp(arch)
-        model = hf_model(arch)
+        model = mha_model() if arch == "llama-mha" else hf_model(arch)
         model.save_pretrained(directory, safe_serialization=True)
         out[arch] = (directory, model)
     return out
@@ -85,14 +97,20 @@ def test_each_rank_holds_half_the_decoder_bytes(checkpoints):
         assert abs(decoder_bytes(load_shard(directory, torch.float64, "cpu", rank, 2)) / whole - 0.5) <= 0.01
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_two_gloo_ranks_give_the_logits_of_one(checkpoints, arch, tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    """What ranks 0 and 1 of one gloo group saved, per checkpoint directory."""
+    return tp_logits([directory for directory, _ in checkpoints.values()], 2, tmp_path_factory.mktemp("ranks"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "llama-mha"])
+def test_two_gloo_ranks_give_the_logits_of_one(checkpoints, two_ranks, arch):
     directory, hf = checkpoints[arch]
     graph = GraphModel.from_hf(hf)
     with torch.inference_mode():
         want = forwards(CudaGraphRunner(graph, PagedKV(graph.pool_spec(4), 64), capture=False))
-    ranks = tp_logits(directory, 2, tmp_path)
-    for saved in ranks:
+    for by_directory in two_ranks:
+        saved = by_directory[str(directory)]
         assert len(saved["logits"]) == len(want)
         for got, expected in zip(saved["logits"], want):
             assert torch.allclose(got, expected, **TOL), f"max difference {(got - expected).abs().max():.3g}"

@@ -113,3 +113,12 @@ def test_a_prompt_s_k_v_restored_from_redis_at_tp_2_continues_as_the_hf_model(tp
     again = tp_cluster.complete(token_ids=prompt, **fields)  # a new session: its prompt's chunks are in Redis
     assert again.stats.target_restored_tokens >= 64
     assert list(first.token_ids) == list(again.token_ids) == target_only(models["llama"]["target"], prompt, 8)
+
+
+def test_a_session_continued_at_tp_2_continues_as_the_hf_model(tp_cluster, models):
+    fields = dict(max_new_tokens=8, ignore_eos=True, proposer=DRAFT, num_speculative_tokens=4)
+    prompt = history(20, seed=3)
+    turn1 = tp_cluster.complete(token_ids=prompt, **fields)
+    turn2 = tp_cluster.complete(session_id=turn1.session_id, token_ids=[4, 5, 6], **fields)
+    full = prompt + list(turn1.token_ids) + [4, 5, 6]
+    assert list(turn2.token_ids) == target_only(models["llama"]["target"], full, 8)

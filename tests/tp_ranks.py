@@ -1,6 +1,7 @@
-"""A rank of a tensor-parallel graph model for the tests (python -m tests.tp_ranks RANK N INIT DIR OUT):
-loads its shards, runs a prefill, decode steps and a tree over its own paged pool, and saves its
-logits and its decoder bytes to OUT. tp_logits runs N of them and returns what each saved."""
+"""A rank of a tensor-parallel graph model for the tests (python -m tests.tp_ranks RANK N INIT OUT DIR...):
+per checkpoint directory, loads its shards, runs a prefill, decode steps, a verification and a
+rollback over its own paged pool, and saves the logits and its decoder bytes to OUT (one launch
+for every checkpoint: starting ranks is the slow part). tp_logits runs N of them."""
 
 from __future__ import annotations
 
@@ -30,19 +31,21 @@ def forwards(runner) -> list[torch.Tensor]:
     return out
 
 
-def main(rank: int, size: int, init: str, directory: str, out: str) -> None:
+def main(rank: int, size: int, init: str, out: str, directories: list[str]) -> None:
     from specdec.runtime.graph.cuda_graphs import CudaGraphRunner
     from specdec.runtime.graph.paged_kv import PagedKV
     from specdec.runtime.graph.parallel import init_group
     from specdec.runtime.graph.shards import decoder_bytes, load_shard
 
     torch.set_num_threads(1)
-    init_group(rank, size, init, "cpu")
-    model = load_shard(directory, torch.float64, "cpu", rank, size, _parallel(directory, rank, size))
-    runner = CudaGraphRunner(model, PagedKV(model.pool_spec(4), 64), capture=False)
-    with torch.inference_mode():
-        logits = forwards(runner)
-    torch.save({"logits": logits, "decoder_bytes": decoder_bytes(model)}, out)
+    init_group(rank, size, init, "cpu", timeout_s=180)  # a loaded 2-core machine is slow to start ranks
+    saved = {}
+    for directory in directories:
+        model = load_shard(directory, torch.float64, "cpu", rank, size, _parallel(directory, rank, size))
+        runner = CudaGraphRunner(model, PagedKV(model.pool_spec(4), 64), capture=False)
+        with torch.inference_mode():
+            saved[directory] = {"logits": forwards(runner), "decoder_bytes": decoder_bytes(model)}
+    torch.save(saved, out)
 
 
 def _parallel(directory: str, rank: int, size: int):
@@ -54,12 +57,13 @@ def _parallel(directory: str, rank: int, size: int):
     return TensorParallel(shard_plan(c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, rank, size))
 
 
-def tp_logits(directory: Path, size: int, tmp: Path, timeout: float = 60) -> list[dict]:
-    """Run `size` ranks on the checkpoint; what each saved (every process is ended on failure)."""
+def tp_logits(directories: list[Path], size: int, tmp: Path, timeout: float = 240) -> list[dict]:
+    """Run `size` ranks on the checkpoints; what each saved, per directory (str), in rank order
+    (every process is ended on failure)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_ranks", str(r), str(size), init, str(directory),
-                               str(tmp / f"rank{r}.pt")], env=env) for r in range(size)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_ranks", str(r), str(size), init,
+                               str(tmp / f"rank{r}.pt"), *map(str, directories)], env=env) for r in range(size)]
     try:
         for proc in procs:
             assert proc.wait(timeout) == 0, f"a rank exited with {proc.returncode}"
@@ -72,4 +76,4 @@ def tp_logits(directory: Path, size: int, tmp: Path, timeout: float = 60) -> lis
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:])
