@@ -12,15 +12,20 @@ tokenizer files `specdec models fetch` leaves in its cache (--tokenizer; on a CP
 a tiny shape and specdec_cli.tiny's tokenizer), then measures, in one run:
 
   the device's copy bandwidth, hence each shape's memory roofline (weight bytes / bandwidth);
-  per engine (--backends: torch, graph), in-process: the decode step and the verification curve
-  (1..33 new tokens on a cached history) against that roofline;
-  HF transformers' eager `generate` in-process, the peer;
+  per engine (--backends: torch, graph), in a process of its own: the decode step and the
+  verification curve (1..33 new tokens on a cached history) against that roofline;
+  HF transformers' eager `generate` in a process of its own, the peer;
   specdec through the real services (`specdec up`, as bench/speedup.py starts them): target-only,
   the self-draft at γ 2/4/8 and auto, the independent draft under auto; target-only with 1, 16
   and 64 concurrent sessions (bench/concurrency.py's load).
 
 Every step runs under its own time limit, its share of what is left of --deadline-s, so the run
-ends in time: a step that no longer fits is skipped and a measurement cut short says so. Prints a
+ends in time: a step that no longer fits is skipped and a measurement cut short says so; every
+wait (a step's process, the services' start-up) is bounded by that limit. Every step that touches
+the device runs in a process of its own (bench/gpu_isolated.py): a CUDA fault loses that step
+only. Each service set's start-up time, and what each service logged at start (the graph
+engine's K/V pool, CUDA graphs captured, capture time, device memory after) are in the JSON
+(bench/gpu_services.py); --cuda-graphs off runs the graph engine without capture. Prints a
 table and writes one JSON (--out) after every step, so a run stopped from outside still leaves
 what it measured; ratios (of the roofline, of target-only, of one session) and issue 32's
 targets come from figures of the same run.
@@ -37,7 +42,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -52,11 +56,13 @@ import torch  # noqa: E402
 
 from bench import gpu_models, gpu_report, gpu_steps, report, speedup  # noqa: E402
 from bench.gpu_budget import WEIGHT_BIG, WEIGHTS, Run, Skip  # noqa: E402
+from bench.gpu_isolated import run_isolated  # noqa: E402
+from bench.gpu_services import Up, start_together  # noqa: E402
 from bench.gpu_steps import Clock, Engine  # noqa: E402
 from bench.prompts import PROMPTS  # noqa: E402
 from specdec.config import choices_of  # noqa: E402
-from specdec.tokenizer import ModelLoadError  # noqa: E402
-from specdec.types import Backend  # noqa: E402
+from specdec.runtime.graph.capture import capture_setting  # noqa: E402
+from specdec.types import Backend, CudaGraphs  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 
 GAMMAS = (2, 4, 8)  # the self-draft's fixed γs
@@ -65,18 +71,14 @@ SIZES = "1,2,3,5,9,17,33"  # new tokens per forward of the verification curve (�
 PROMPT = "lru-cache"  # bench/prompts.py's prompt of the specdec and HF runs
 # ---- one shape --------------------------------------------------------------------------------
 
-def engine_step(run: Run, shape: dict, models: dict, name: str, held: dict, clock: Clock) -> dict:
+def engine_step(run: Run, shape: dict, models: dict, name: str, clock: Clock) -> dict:
+    """One engine's decode step and verification curve, in a process of its own."""
     args = run.args
-    try:
-        engine = gpu_steps.open_engine(name, models["target"].path, args.dtype, args.device,
-                                       args.history + max(args.sizes))
-    except (ImportError, ModelLoadError) as exc:
-        raise Skip(f"the {name} engine is not available here: {type(exc).__name__}: {exc}") from exc
-    high = gpu_models.load_tokenizer(args.tokenizer).vocab_size
-    result = {"curve": gpu_steps.curve(engine, torch.device(args.device), args.history, args.sizes,
-                                       args.repeats, high, clock), "details": engine.details}
-    if engine.hf_model is not None:
-        held["hf_model"] = engine.hf_model  # the peer runs on the very model the torch engine ran
+    result = run_isolated("engine", {"name": name, "path": models["target"].path, "tokenizer": args.tokenizer,
+                                     "dtype": args.dtype, "device": args.device, "history": args.history,
+                                     "sizes": args.sizes, "repeats": args.repeats,
+                                     "capture": capture_setting(args.cuda_graphs)}, clock, run.live)
+    result["curve"]["ms"] = {int(k): v for k, v in result["curve"]["ms"].items()}  # JSON made the sizes strings
     if "roofline" in shape:
         gpu_report.engine_ratios(result, shape["roofline"])
     else:
@@ -84,12 +86,10 @@ def engine_step(run: Run, shape: dict, models: dict, name: str, held: dict, cloc
     return result
 
 
-def hf_step(run: Run, models: dict, held: dict, ids: list[int], clock: Clock) -> dict:
-    from specdec.runtime.loader import load_model
-
-    model = held.get("hf_model") or load_model(models["target"].path, run.args.dtype, run.args.device).model
-    model.generation_config.eos_token_id = None
-    return gpu_steps.hf_generate_rate(model, ids, run.args.max_new_tokens, clock)
+def hf_step(run: Run, models: dict, ids: list[int], clock: Clock) -> dict:
+    """HF transformers' eager generate, in a process of its own."""
+    return run_isolated("hf", {"path": models["target"].path, "dtype": run.args.dtype, "device": run.args.device,
+                               "ids": ids, "max_new_tokens": run.args.max_new_tokens}, clock, run.live)
 
 
 def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
@@ -101,7 +101,8 @@ def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
 
 
 def service_options(args: argparse.Namespace, port: int) -> SimpleNamespace:
-    """What bench/speedup.py's start_services reads."""
+    """What bench/speedup.py's start_services reads (the backend and --cuda-graphs go by the
+    environment: SPECDEC_UP_BACKEND, SPECDEC_UP_CUDA_GRAPHS)."""
     return SimpleNamespace(port=port, dtype=args.dtype, device=args.device, threads=args.threads,
                            draft_ahead="auto", tree="off", draft_quantize="none")
 
@@ -115,10 +116,11 @@ def run_shape(run: Run, name: str) -> None:
 
     def build(clock: Clock) -> dict:
         started = time.perf_counter()
-        built = gpu_models.build_set(root, name, args.tokenizer, torch_dtype(args.dtype), args.device,
-                                     args.draft_layers)
+        built = run_isolated("build", {"root": str(root), "shape": name, "tokenizer": args.tokenizer,
+                                       "dtype": args.dtype, "device": args.device,
+                                       "draft_layers": args.draft_layers}, clock, run.live)
         shape["build_s"] = time.perf_counter() - started
-        return built
+        return {role: gpu_models.BuiltModel(**fields) for role, fields in built.items()}
 
     models = run.step(f"{name}: build models", "build", big, build)
     skip_rest = None if models else "its models were not built"
@@ -130,85 +132,33 @@ def run_shape(run: Run, name: str) -> None:
     tokenizer = gpu_models.load_tokenizer(args.tokenizer)
     prompt = next(p for p in PROMPTS if p.name == PROMPT)
     ids = prompt_ids(tokenizer, prompt)
-    held: dict = {}
     hf_tokens = None
     shape["engines"] = {}
     for engine in args.backends:
         def measure(clock: Clock, engine: str = engine) -> dict:
             if skip_rest:
                 raise Skip(skip_rest)
-            return engine_step(run, shape, models, engine, held, clock)
+            return engine_step(run, shape, models, engine, clock)
 
         result = run.step(f"{name}: engine {engine}", "engine", big, measure)
         last = run.doc["steps"][-1]
         shape["engines"][engine] = result or {"status": last["status"], "reason": last.get("reason", "")}
-        if engine != Engine.TORCH:
-            gpu_models.free_device_memory(args.device)
 
     def hf(clock: Clock) -> dict:
         if skip_rest:
             raise Skip(skip_rest)
-        return hf_step(run, models, held, ids, clock)
+        return hf_step(run, models, ids, clock)
 
     result = run.step(f"{name}: hf generate", "hf", big, hf)
     if result:
         shape["hf_generate"] = {k: v for k, v in result.items() if k != "token_ids"}
         hf_tokens = result["token_ids"]
-    held.clear()
-    gpu_models.free_device_memory(args.device)
     services_for(run, name, shape, models, ids, big, skip_rest, hf_tokens)
     shape["ratios"] = gpu_report.shape_ratios(shape)
     if not args.keep_models:  # the next shape's models need the disk
         shutil.rmtree(root, ignore_errors=True)
     shape["models_kept_in"] = str(root) if args.keep_models else None
     run.write()
-
-
-class Up:
-    """One `specdec up` on the target and a draft, started by the first step that needs it."""
-
-    def __init__(self, run: Run, models: dict, draft: str, port: int):
-        self.run, self.models, self.draft, self.port = run, models, draft, port
-        self.stack = contextlib.ExitStack()
-        self.proc = None  # the `specdec up` process once started
-        self.error: Exception | None = None  # why it could not be started
-        self.address = f"127.0.0.1:{port}"
-
-    def start(self) -> Any:
-        """The process (started now unless it was); what failed when it was started."""
-        if self.error is not None:
-            raise self.error
-        if self.proc is None:
-            try:
-                args = self.run.args
-                started = time.monotonic()
-                self.proc = self.stack.enter_context(gpu_steps.services(
-                    self.models[self.draft].path, self.models["target"].path, service_options(args, self.port),
-                    self.run.live))
-                print(f"[{self.run.elapsed():.0f}s] services of the target and the {self.draft} up in "
-                      f"{time.monotonic() - started:.0f} s", flush=True)
-            except Exception as exc:  # noqa: BLE001 - kept for the step that needs these services
-                self.error = exc
-                raise
-        return self.proc
-
-    def close(self) -> None:
-        self.stack.close()
-
-
-def start_together(ups: list[Up]) -> None:
-    """Start every set at once (each loads its models while the others do: one start-up's wait,
-    not one each); a set that fails keeps its error for its own step."""
-    ups = [up for up in ups if up.proc is None and up.error is None]
-    def start(up: Up) -> None:
-        with contextlib.suppress(Exception):  # kept in up.error
-            up.start()
-
-    threads = [threading.Thread(target=start, args=(up,)) for up in ups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 def services_for(run: Run, name: str, shape: dict, models: dict | None, ids: list[int], big: bool,
@@ -220,9 +170,9 @@ def services_for(run: Run, name: str, shape: dict, models: dict | None, ids: lis
     def runs_on(up: Up, chosen: dict[str, dict], clock: Clock) -> dict[str, dict]:
         if skip_rest:
             raise Skip(skip_rest)
-        if up is own:  # the independent draft's set loads while this one does
-            start_together([own, other])
-        up.start()
+        if up is own:  # the independent draft's set loads while this one does (both within this step's limit)
+            start_together([own, other] if "indep" in args.steps else [own], clock.left())
+        up.start(clock.left())
         with grpc.insecure_channel(up.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             return gpu_steps.specdec_runs(stub, ids, args.max_new_tokens, chosen, args.settle, clock)
@@ -236,26 +186,25 @@ def services_for(run: Run, name: str, shape: dict, models: dict | None, ids: lis
     def sessions(clock: Clock) -> list[dict]:
         if skip_rest:
             raise Skip(skip_rest)
-        return gpu_steps.concurrency_levels(own.address, args.levels, args.concurrency_tokens, own.start(), clock)
+        return gpu_steps.concurrency_levels(own.address, args.levels, args.concurrency_tokens,
+                                            own.start(clock.left()), clock)
 
-    own = Up(run, models or {}, "selfdraft", args.port)
-    other = Up(run, models or {}, "indep", args.port + 10)
+    own = Up(run, models or {}, "selfdraft", args.port, service_options(args, args.port))
+    other = Up(run, models or {}, "indep", args.port + 10, service_options(args, args.port + 10))
+    shape["services"] = {}
     try:
         shape["selfdraft"] = run.step(f"{name}: specdec self-draft", "selfdraft", big, selfdraft)
         shape["concurrency"] = run.step(f"{name}: concurrent sessions", "concurrency", big, sessions)
     finally:
+        shape["services"]["selfdraft"] = own.figures()
         own.close()
     try:
         shape["indep"] = run.step(f"{name}: specdec independent draft", "indep", big,
                                   lambda clock: gpu_steps.with_analysis(runs_on(other, gpu_steps.methods(()), clock)))
     finally:
+        shape["services"]["indep"] = other.figures()
         other.close()
-
-
-def torch_dtype(dtype: str) -> torch.dtype:
-    from specdec.runtime.loader import TORCH_DTYPES
-
-    return TORCH_DTYPES[dtype]
+    run.write()
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -273,9 +222,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="engines measured in-process, comma-separated: " + ", ".join(choices_of(Engine)))
     parser.add_argument("--service-backend", default="auto", choices=choices_of(Backend),
                         help="the services' --backend (`specdec up`)")
+    parser.add_argument("--cuda-graphs", default="auto", choices=choices_of(CudaGraphs),
+                        help="capture CUDA graphs in the graph engine, in-process and in the services "
+                             "(their --cuda-graphs); off runs every bucket eagerly")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads here and in each service (0 = torch's default)")
     parser.add_argument("--dtype", default="", help="default: bfloat16 on a GPU, float32 on a CPU")
+    parser.add_argument("--steps", default=",".join(WEIGHTS),
+                        help="kinds of step to run, comma-separated (the others are skipped): " + ", ".join(WEIGHTS))
     parser.add_argument("--quick", action="store_true", help="fewer repeats and tokens, shorter history")
     parser.add_argument("--deadline-s", type=float, default=540.0, help="the whole run ends by then")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers of the self-draft")
@@ -320,6 +274,10 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argpar
     unknown = [s for s in args.shapes if s not in gpu_models.SHAPES]
     if unknown:
         parser.error(f"--shapes: no shape {', '.join(unknown)}; choose from {', '.join(gpu_models.SHAPES)}")
+    args.steps = [k for k in args.steps.split(",") if k]
+    unknown = [k for k in args.steps if k not in WEIGHTS]
+    if unknown:
+        parser.error(f"--steps: no step {', '.join(unknown)}; choose from {', '.join(WEIGHTS)}")
     args.backends = [b for b in args.backends.split(",") if b]
     unknown = [b for b in args.backends if b not in choices_of(Engine)]
     if unknown:
@@ -350,10 +308,7 @@ def machine(device: str) -> dict:
     with contextlib.suppress(OSError):
         out["cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                            if line.startswith("model name")), "")
-    if torch.device(device).type == "cuda":
-        out["device_name"] = torch.cuda.get_device_name(device)
-        out["cuda"] = torch.version.cuda
-    return out
+    return out  # the device's name, CUDA and memory come from the bandwidth step: no CUDA context here
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": args.device, "dtype": args.dtype, "machine": machine(args.device),
                 "tokenizer": args.tokenizer, "shapes_asked": args.shapes, "backends": args.backends,
-                "service_backend": args.service_backend, "threads": args.threads, "quick": args.quick,
+                "service_backend": args.service_backend, "steps_asked": args.steps, "cuda_graphs": args.cuda_graphs,
+                "threads": args.threads,
+                "quick": args.quick,
                 "deadline_s": args.deadline_s,
                 "history": args.history, "sizes": args.sizes, "repeats": args.repeats,
                 "max_new_tokens": args.max_new_tokens, "levels": args.levels,
@@ -373,14 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     for service in ("DRAFT", "TARGET"):  # for the services `specdec up` starts: every level in one forward
         os.environ[f"SPECDEC_{service}_MAX_BATCH_SIZE"] = str(max(args.levels))
     os.environ["SPECDEC_UP_BACKEND"] = args.service_backend
+    os.environ["SPECDEC_UP_CUDA_GRAPHS"] = args.cuda_graphs
     per_shape = [w * (WEIGHT_BIG if gpu_models.SHAPES[s].hidden >= 3000 else 1.0)
                  for s in args.shapes for w in shape_weights(args)]
-    run.planner.weight_left = WEIGHTS["bandwidth"][0] + sum(per_shape)
+    run.planner.weight_left = (WEIGHTS["bandwidth"][0] if "bandwidth" in args.steps else 0.0) + sum(per_shape)
     timer = run.watchdog()
     try:
         bandwidth = run.step("copy bandwidth", "bandwidth", False,
-                             lambda clock: gpu_steps.copy_bandwidth(torch.device(args.device), args.copy_bytes,
-                                                                    10, clock))
+                             lambda clock: run_isolated("bandwidth", {"device": args.device, "nbytes": args.copy_bytes,
+                                                                      "repeats": 10}, clock, run.live))
+        document["machine"].update((bandwidth or {}).pop("device", {}))
         document["bandwidth"] = bandwidth or {}
         for name in args.shapes:
             try:
@@ -401,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
 def shape_weights(args: argparse.Namespace) -> list[float]:
     """The weights of one shape's steps, in order."""
     kinds = ["build"] + ["engine"] * len(args.backends) + ["hf", "selfdraft", "concurrency", "indep"]
-    return [WEIGHTS[k][0] for k in kinds]
+    return [WEIGHTS[k][0] if k in args.steps else 0.0 for k in kinds]
 
 
 if __name__ == "__main__":

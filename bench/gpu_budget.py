@@ -74,12 +74,15 @@ class Run:
     def step(self, name: str, kind: str, big: bool, fn: Callable[[Clock], Any]) -> Any:
         """Run fn under its share of the time left; record how it ended; None unless it ran."""
         weight, least = WEIGHTS[kind]
-        weight *= WEIGHT_BIG if big else 1.0
-        limit = self.planner.limit(weight)
+        asked = kind in getattr(self.args, "steps", WEIGHTS)
+        weight *= (WEIGHT_BIG if big else 1.0) if asked else 0.0  # a step not asked for takes no share
+        limit = self.planner.limit(weight) if asked else 0.0
         record = {"name": name, "status": Status.SKIPPED, "seconds": 0.0, "limit_s": limit}
         self.doc["steps"].append(record)
         result = None
-        if limit < least:
+        if not asked:
+            record["reason"] = "not asked for (--steps)"
+        elif limit < least:
             record["reason"] = f"no time left: its share is {limit:.0f} s, it needs {least} s"
         else:
             clock = Clock(limit)

@@ -113,6 +113,15 @@ class EngineSession:
         self.engine.release("bench")
 
 
+def device_memory(device: str) -> dict:
+    """This process's CUDA memory: allocated and reserved now, and the most allocated ({} off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"memory_allocated_bytes": torch.cuda.memory_allocated(device),
+            "memory_reserved_bytes": torch.cuda.memory_reserved(device),
+            "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(device)}
+
+
 def torch_engine(path: str, dtype: str, device: str) -> EngineSession:
     from specdec.config import TargetConfig
     from specdec.runtime.engines import engine_from_config
@@ -122,10 +131,10 @@ def torch_engine(path: str, dtype: str, device: str) -> EngineSession:
     return EngineSession(Engine.TORCH, engine, {})
 
 
-def graph_engine(path: str, dtype: str, device: str, tokens: int) -> EngineSession:
+def graph_engine(path: str, dtype: str, device: str, tokens: int, capture: bool | None = None) -> EngineSession:
     """The graph engine (the services' --backend graph) with the buckets one session
-    needs: 1 session × 1..16 tokens over `tokens` of context, captured on CUDA (eager beyond them,
-    and everywhere without CUDA)."""
+    needs: 1 session × 1..16 tokens over `tokens` of context, captured on CUDA unless `capture`
+    is False (eager beyond them, and everywhere without CUDA)."""
     from specdec.runtime.graph.cuda_graphs import DECODE_AND_VERIFY_TOKENS, TREE_WINDOW, Buckets
     from specdec.runtime.graph.paged_kv import DEFAULT_BLOCK_SIZE
     from specdec.runtime.graph.engine import GraphEngine
@@ -137,16 +146,20 @@ def graph_engine(path: str, dtype: str, device: str, tokens: int) -> EngineSessi
     per_token = 2 * loaded.model.config.num_hidden_layers * loaded.model.config.num_key_value_heads * \
         (loaded.model.config.hidden_size // loaded.model.config.num_attention_heads) * loaded.dtype.itemsize
     engine = GraphEngine(loaded, 2, (blocks + 2) * DEFAULT_BLOCK_SIZE * per_token, 64,
-                         block_size=DEFAULT_BLOCK_SIZE, buckets=buckets)
+                                block_size=DEFAULT_BLOCK_SIZE, buckets=buckets, capture=capture)
     start = time.perf_counter()
     graphs = engine.capture()
     return EngineSession(Engine.GRAPH, engine, {
-        "graphs_captured": graphs, "capture_s": time.perf_counter() - start,
+        "graphs_captured": graphs, "graphs_failed": engine.graph.report.failed,
+        "capture_s": time.perf_counter() - start,
         "buckets": [[s.rows, s.tokens, s.blocks, s.window] for s in engine.graph.shapes]})
 
 
-def open_engine(name: str, path: str, dtype: str, device: str, tokens: int) -> EngineSession:
-    return torch_engine(path, dtype, device) if name == Engine.TORCH else graph_engine(path, dtype, device, tokens)
+def open_engine(name: str, path: str, dtype: str, device: str, tokens: int,
+                capture: bool | None = None) -> EngineSession:
+    if name == Engine.TORCH:
+        return torch_engine(path, dtype, device)
+    return graph_engine(path, dtype, device, tokens, capture)
 
 
 def curve(engine, device: torch.device, history: int, sizes: Sequence[int], repeats: int, high: int,
@@ -208,10 +221,13 @@ def methods(gammas: Sequence[int]) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def services(draft: str, target: str, options: SimpleNamespace, live: list) -> Iterator[subprocess.Popen]:
-    """`specdec up` on draft and target (bench/speedup.py's start_services); `live` holds the
-    process while it runs (for the watchdog)."""
-    proc = speedup.start_services(draft, target, options)
+def services(draft: str, target: str, options: SimpleNamespace, live: list, timeout_s: float,
+             log_path: str) -> Iterator[subprocess.Popen]:
+    """`specdec up` on draft and target (bench/speedup.py's start_services), started within
+    timeout_s, the services' logs to log_path; `live` holds the process while it runs (for the
+    watchdog)."""
+    with open(log_path, "ab") as log:
+        proc = speedup.start_services(draft, target, options, timeout_s=timeout_s, stderr=log)
     live.append(proc)
     try:
         yield proc

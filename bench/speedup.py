@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -148,7 +149,9 @@ def model_paths(args) -> tuple[str, str]:
     return model_pair(args, "bench/speedup.py", context=4096, layers=4, width=64)
 
 
-def start_services(draft: str, target: str, args) -> subprocess.Popen:
+def start_services(draft: str, target: str, args, timeout_s: float = 900.0, stderr: Any = None) -> subprocess.Popen:
+    """`specdec up` on draft and target, once its coordinator answers SERVING (at most timeout_s;
+    the process is ended when it does not); its stderr (the services' logs) to `stderr`."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "SPECDEC_COORDINATOR_DRAFT_AHEAD": args.draft_ahead,
            "SPECDEC_COORDINATOR_TREES": "auto" if args.tree == "auto" else "off"}
@@ -157,8 +160,16 @@ def start_services(draft: str, target: str, args) -> subprocess.Popen:
                "--draft-quantize", args.draft_quantize, "--http-port", "0"]
     if getattr(args, "heads", ""):  # (bench/gpu_steps.py passes its own namespace, without heads)
         command += ["--target-heads", args.heads]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
-    wait_healthy(f"127.0.0.1:{args.port}", 900, [proc])
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=ROOT)
+    try:
+        wait_healthy(f"127.0.0.1:{args.port}", timeout_s, [proc])
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     return proc
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping, TypeVar
 
-from specdec.types import (Backend, CoreSharing, DiscoveryKind, DraftAhead, KVCacheType, Source, Quantization,
-                           RpcTransport, Trees)
+from specdec.types import (Backend, CoreSharing, CudaGraphs, DiscoveryKind, DraftAhead, KVCacheType, Source,
+                           Quantization, RpcTransport, Trees)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 TARGET_QUANTIZATIONS = (Quantization.NONE.value, Quantization.INT8.value, Quantization.INT4.value)  # no auto
@@ -56,6 +56,14 @@ class ModelServiceConfig(ServerTlsConfig):
                        "at start on CUDA), or auto (llama.cpp for a .gguf file when llama-cpp-python is "
                        "installed, graph on CUDA for the architectures it covers, else torch)",
                        choices_of(Backend))
+    cuda_graphs: str = opt("auto", "graph backend: capture CUDA graphs of its buckets at start — auto (on a CUDA "
+                           "device, unless the environment's SPECDEC_CUDA_GRAPHS says on or off), on, or off "
+                           "(every bucket runs eagerly: the same code and shapes, slower; a bucket that fails "
+                           "to capture runs eagerly anyway). The buckets trade padding for fewer graphs: rows "
+                           "1, 4, 16 and --max-batch-size, query columns 1, 5, 9, 16, keys per row 512 tokens "
+                           "times 1, 4, 16 ... up to the context — 32 graphs a target for a 2k context, 64 for "
+                           "32k (seconds of start-up, one shared logits buffer), at most 3/4 of the rows and of "
+                           "the keys read being padding (docs/design.md, Engines)", choices_of(CudaGraphs))
     dtype: str = opt("bfloat16", "weight dtype (torch and graph backends)", DTYPES)
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ... (llama.cpp: cpu, or any other value to "
                       "offload every layer to the GPU llama-cpp-python was built for)")
@@ -75,9 +83,11 @@ class ModelServiceConfig(ServerTlsConfig):
                               "backend allocates its pool of this size at start (at most what "
                               "--max-sessions sessions of the full context take)")
     kv_cache_memory_fraction: float = opt(0.0, "graph backend on CUDA: the K/V pool takes this fraction "
-                                          "(0 < f <= 1) of the GPU's free memory once the model is loaded, "
-                                          "instead of --kv-cache-bytes (0 = off); leave room for the CUDA "
-                                          "graphs and activations, and for another service on the same GPU")
+                                          "(0 < f <= 1) of the GPU's free memory once the model is loaded and "
+                                          "an estimate of what CUDA-graph capture takes (its shared outputs "
+                                          "and largest bucket's activations) is set aside, instead of "
+                                          "--kv-cache-bytes (0 = off); leave room for another service on the "
+                                          "same GPU")
     max_speculative_tokens: int = opt(16, "most draft tokens per call")
     kv_store: str = opt("", "shared store of K/V chunks: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for "
                         "TLS), memory:// (this process only), or empty (off). A session this replica "

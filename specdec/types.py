@@ -21,7 +21,7 @@ class Source(StrEnum):
     """Where a round's proposed tokens come from. A request names one (AUTO lets the
     coordinator pick per round); a round's source is one of the others. On the wire and the
     command line it keeps its old name: the request field and flag `proposer` (--proposer,
-    --default-proposer) and the proto enum `Proposer` (PROPOSER_AUTO, ...), values as here."""
+    --default-proposer) and the proto enum `Source` (PROPOSER_AUTO, ...), values as here."""
 
     AUTO = "auto"    # per round, whichever source the policy expects to pay most
     DRAFT = "draft"  # the draft model (the draft service)
@@ -65,6 +65,14 @@ class Quantization(StrEnum):
     NONE = "none"  # as the checkpoint's dtype
     INT8 = "int8"  # weight-only int8 (CPU only)
     INT4 = "int4"  # weight-only 4-bit in groups of 32 inputs (CPU only)
+
+
+class CudaGraphs(StrEnum):
+    """When the graph engine captures CUDA graphs (--cuda-graphs)."""
+
+    AUTO = "auto"  # on a CUDA device (unless the environment's SPECDEC_CUDA_GRAPHS says on or off)
+    ON = "on"  # always (a CUDA device is then required)
+    OFF = "off"  # never: every bucket runs eagerly, the same code and shapes
 
 
 class Backend(StrEnum):

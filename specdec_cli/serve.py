@@ -4,11 +4,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import threading
+import time
 from typing import Any
 
 from specdec.config import CoordinatorConfig, DraftConfig, TargetConfig, add_arguments, from_sources
+
+
+log = logging.getLogger(__name__)
+
+# loggers whose start-up lines (the graph engine's K/V pool, its CUDA graphs captured and how
+# long that took, the device memory after; the service's start-up time) are shown at INFO even
+# under the default --log-level WARNING: a few lines per start, what an operator reads first
+STARTUP_LOGGERS = ("specdec.runtime.graph", __name__)
+
+
+def show_startup_lines() -> None:
+    """Let STARTUP_LOGGERS' INFO lines through where the root logger's level would hide them."""
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        for name in STARTUP_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +48,8 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
     from specdec.runtime.heads import HeadsMismatch
     from specdec.tokenizer import ModelLoadError
 
+    started = time.monotonic()
+    show_startup_lines()
     if kind == "draft":
         from draft_service.server import start
         config = from_sources(DraftConfig, "draft", vars(args))
@@ -45,6 +64,8 @@ def serve_model(kind: str, args: argparse.Namespace) -> int:
         raise SystemExit(f"specdec serve {kind}: {exc}")
     served = servicer.description  # what the engine loaded: a GGUF's own type, llama.cpp's device
     heads = f", {served.num_heads} heads" if served.num_heads else ""
+    log.info("%s service ready in %.1f s (%s, %s, %s)", kind, time.monotonic() - started, config.model, served.dtype,
+             served.device)
     print(f"{kind} service ready on {config.host}:{port} ({config.model}, {served.dtype}, {served.device}{heads})",
           flush=True)
     stopped = threading.Event()

@@ -10,7 +10,7 @@ import time
 from typing import Any, Sequence
 
 from specdec.config import DTYPES, CoordinatorConfig, TargetConfig, choices_of, help_of
-from specdec.types import Backend, Quantization
+from specdec.types import Backend, CudaGraphs, Quantization
 
 from specdec_cli import generate, ports
 from specdec_cli.env import DEFAULT_HTTP_PORT, DEFAULT_PORT, env_default
@@ -28,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="engine of both models; auto serves the fetched pair's Q4_K_M GGUF files on "
                          "llama.cpp when llama-cpp-python is installed, else its converted directories "
                          "on torch (env SPECDEC_UP_BACKEND)")
+    up.add_argument("--cuda-graphs", default=env_default("up", "cuda_graphs", "auto"),
+                    choices=choices_of(CudaGraphs),
+                    help="both services' --cuda-graphs: " + help_of(TargetConfig, "cuda_graphs")
+                         + " (env SPECDEC_UP_CUDA_GRAPHS)")
     up.add_argument("--dtype", default=env_default("up", "dtype", "bfloat16"), choices=DTYPES,
                     help="weight dtype of both models (env SPECDEC_UP_DTYPE)")
     up.add_argument("--device", default=env_default("up", "device", "cpu"),
@@ -150,10 +154,12 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
                  for argument in ("--" + flag.replace("_", "-"), str(getattr(args, flag)))]
     return {
         "draft": SERVE + ["draft", "--model", draft_model, "--backend", args.backend, "--dtype", args.dtype,
-                          "--device", args.device, "--port", str(grpc_ports["draft"]), "--quantize",
+                          "--device", args.device, "--cuda-graphs", args.cuda_graphs,
+                          "--port", str(grpc_ports["draft"]), "--quantize",
                           args.draft_quantize, "--metrics-port", str(metrics["draft"]), *kv_store],
         "target": SERVE + ["target", "--model", target_model, "--backend", args.backend, "--dtype", args.dtype,
-                           "--device", args.device, "--port", str(grpc_ports["target"]),
+                           "--device", args.device, "--cuda-graphs", args.cuda_graphs,
+                           "--port", str(grpc_ports["target"]),
                            "--metrics-port", str(metrics["target"]), *kv_store, *heads, *parallel],
         "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target", addresses["target"],
                                 "--port", str(grpc_ports["coordinator"]), "--http-port", str(http_port(args)),

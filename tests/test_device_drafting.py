@@ -2,7 +2,7 @@
 graph/draft_loop.py): greedy drafts, their q and what the session keeps are the host loop's;
 sampled drafts are draws from the q reported with them (chi-square, pooled over every call);
 a seeded call drafts alike whatever shares its batch; calls the loop does not cover take the
-host loop in the same batch; the loop reads the device once per batch."""
+host loop in the same batch, calls with hints do not; the loop reads the device once per batch."""
 
 from __future__ import annotations
 
@@ -85,13 +85,42 @@ def test_a_session_continues_after_the_loop_as_after_the_host_loop(draft):
     assert outcomes[0] == outcomes[1]
 
 
+def test_calls_with_hints_draft_on_the_device_as_the_host_loop_does(draft, monkeypatch):
+    """Hints the draft agrees with, then one it does not: greedy proposals are the host loop's;
+    sampled ones keep the host loop's hints and the token after them (the same draws); neither
+    takes the host loop (counted)."""
+    engine, device = draft
+    greedy = SamplingParams(temperature=0.0)
+    plain = _propose(device, engine, greedy, [3, 3])
+    host_loops = []
+    original = HostDrafting.draft_chains
+    monkeypatch.setattr(HostDrafting, "draft_chains",
+                        lambda self, live, *a: (host_loops.append(len(live)) if live else None,
+                                                original(self, live, *a))[1])
+    for hints in ([], [plain[0].draft_tokens[0]], plain[0].draft_tokens[:2] + [(plain[0].draft_tokens[2] + 1) % 12]):
+        for gammas in ([2, 3], [1, 4]):
+            host_loops.clear()
+            loops = engine.draft_loop.eager_runs
+            on_device = _propose(device, engine, greedy, gammas, hints=hints)
+            assert host_loops == [] and engine.draft_loop.eager_runs == loops + 1, (hints, gammas)
+            on_host = _propose(HostDrafting(engine, K), engine, greedy, gammas, hints=hints)
+            assert _summary(on_device) == _summary(on_host), (hints, gammas)
+    assert on_device[0].hints_kept == 2 and on_device[0].draft_tokens[:2] == plain[0].draft_tokens[:2]
+    sampled = SamplingParams(temperature=1.0, top_k=6)
+    for seed in range(6):
+        hints = plain[0].draft_tokens[:2]
+        host_loops.clear()
+        on_device = _propose(device, engine, sampled, [3], seeds=[seed], hints=hints)[0]
+        assert host_loops == []
+        on_host = _propose(HostDrafting(engine, K), engine, sampled, [3], seeds=[seed], hints=hints)[0]
+        first = on_host.hints_kept + 1  # the kept hints and the draft's own token after them
+        assert on_device.hints_kept == on_host.hints_kept and len(on_device.draft_tokens) == 3 + on_host.hints_kept
+        assert on_device.draft_tokens[:first] == on_host.draft_tokens[:first]
+        assert on_device.draft_probs[:first] == on_host.draft_probs[:first]
+
+
 def test_calls_outside_the_loop_take_the_host_loop_in_the_same_batch(draft):
     engine, device = draft
-    host = HostDrafting(engine, K)
-    greedy = SamplingParams(temperature=0.0)
-    for kwargs in ({"hints": [3, 4]},):
-        assert _summary(_propose(device, engine, greedy, [2, 3], **kwargs)) == \
-            _summary(_propose(host, engine, greedy, [2, 3], **kwargs))
     wide = SamplingParams(temperature=1.0, top_k=K + 2)  # wider than the proposal's K: the host loop
     runs = engine.draft_loop.eager_runs
     proposals = _propose(device, engine, wide, [3, 3])

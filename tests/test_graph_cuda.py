@@ -19,7 +19,9 @@ needs_cuda = pytest.mark.skipif(
 
 
 def test_buckets_cover_decode_verification_and_contexts():
-    assert context_blocks(100) == (8, 16, 32, 64, 100)
+    assert context_blocks(100) == (32, 100)  # a ladder by 4 from 32 blocks, ending at the context
+    assert context_blocks(3000) == (32, 128, 512, 2048, 3000)
+    assert context_blocks(100, smallest=8, ratio=2) == (8, 16, 32, 64, 100)
     assert context_blocks(5) == (5,)
     shapes = Buckets(rows=(1, 4), tokens=(1, 16), blocks=(8, 32), window=16).shapes()
     assert len(shapes) == 8 and shapes[0] == BatchShape(1, 1, 8, 16) and shapes[-1] == BatchShape(4, 16, 32, 16)
@@ -28,7 +30,7 @@ def test_buckets_cover_decode_verification_and_contexts():
 def test_default_buckets_reach_the_models_context():
     model = GraphModel.from_hf(hf_model("llama"))  # context 512
     runner = CudaGraphRunner(model, PagedKV(model.pool_spec(16), 1000))
-    assert runner.buckets.blocks == (8, 16, 32)  # 512 tokens = 32 blocks of 16
+    assert runner.buckets.blocks == (32,)  # 512 tokens = 32 blocks of 16
     assert runner.shapes[-1] == BatchShape(64, 16, 32, 16)
 
 

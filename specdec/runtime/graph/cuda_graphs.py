@@ -1,19 +1,22 @@
 """Run the graph model over sessions: padded to a bucket, replayed from a CUDA graph where captured.
 
 What this module decides:
-- A bucket is a BatchShape (sessions × tokens × blocks per row × tree window). Buckets are
-  captured at start (`capture`), largest first so the smaller ones reuse its memory pool, all
-  sharing one pool; decode is tokens = 1 and verification up to 16 tokens (trees up to 16
-  nodes: the window). A forward takes the smallest bucket that holds it; past the largest it
-  runs eagerly in its exact shape.
-- A captured bucket owns static input tensors and the outputs its graph writes — the logits and
-  the final-norm hidden states they come from (a target's heads read those; keeping them costs
-  the graph nothing, they are computed anyway): a forward builds its batch on the host, copies
-  it into those tensors (one copy per field), replays the graph and slices the real rows'
-  logits out, and their hidden states when asked (copied: the next replay overwrites them).
-- Without CUDA (or with capture off) the same buckets, padding and model code run eagerly:
-  only capture and replay differ, so the CPU test suite proves the captured code path's
-  numerics and layout.
+- A bucket is a BatchShape (sessions × tokens × blocks per row × tree window); which ones are
+  captured, and why so few, is buckets.py's. Buckets are captured at start (`capture`), largest
+  first so the smaller ones reuse its memory, all sharing one pool; a bucket that fails to
+  capture runs eagerly (capture.py). A forward takes the smallest bucket that holds it; past
+  the largest it runs eagerly in its exact shape.
+- A captured bucket owns static input tensors; its outputs — the logits and the final-norm
+  hidden states they come from (a target's heads read those) — are views of ONE logits buffer
+  and ONE hidden-state buffer per engine, sized for the largest bucket (buckets replay one at a
+  time; one output per bucket took 5.6 GiB for a 7B's buckets). A forward builds its batch on
+  the host, copies it into those tensors (one copy per field), replays the graph and slices the
+  real rows' logits out, and their hidden states when asked (copied: the next replay
+  overwrites them).
+- Without CUDA (or with capture off: --cuda-graphs off, SPECDEC_CUDA_GRAPHS=off) the same
+  buckets, padding and model code run eagerly: only capture and replay differ, so the CPU test
+  suite proves the captured code path's numerics and layout (and, with capture.eager_graph as
+  the capturer, the capture path itself: static inputs, shared outputs, failures).
 """
 
 from __future__ import annotations
@@ -28,49 +31,25 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.runtime.graph.batch import (BatchShape, ForwardBatch, RowInput, build_batch, check_rows, needed_shape,
                                          pad_batch)
+from specdec.runtime.graph.buckets import (DECODE_AND_VERIFY_TOKENS, SESSION_COUNTS, TREE_WINDOW,  # noqa: F401
+                                           Buckets, context_blocks)
+from specdec.runtime.graph.capture import (CaptureReport, Capturer, Replayable, capture_each, capturing, cuda_graph,
+                                           memory_pool_for)
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV
 
 log = logging.getLogger(__name__)
 
-DECODE_AND_VERIFY_TOKENS = (1, 2, 4, 8, 16)  # query columns: decode, then verification of γ+1 ≤ 16
-SESSION_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # rows per bucket
-TREE_WINDOW = 16  # the most tree nodes a captured bucket masks
-
-
-def context_blocks(max_blocks: int, smallest: int = 8) -> tuple[int, ...]:
-    """Per-row block counts for buckets: powers of two from `smallest` up to max_blocks (the
-    gathered keys per row are the bucket's, so short contexts take short buckets)."""
-    out, n = [], smallest
-    while n < max_blocks:
-        out.append(n)
-        n *= 2
-    return tuple(out) + (max_blocks,)
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """The shapes captured at start (their product)."""
-
-    rows: tuple[int, ...] = SESSION_COUNTS  # sessions per forward
-    tokens: tuple[int, ...] = DECODE_AND_VERIFY_TOKENS  # query columns per session
-    blocks: tuple[int, ...] = ()  # block-table entries per session; () = context_blocks of the model's context
-    window: int = TREE_WINDOW  # tree nodes the window mask covers
-
-    def shapes(self) -> list[BatchShape]:
-        """Every bucket, smallest first."""
-        return sorted((BatchShape(r, t, b, self.window) for r in self.rows for t in self.tokens for b in self.blocks),
-                      key=lambda s: (s.rows * s.tokens * s.blocks, s.rows, s.tokens, s.blocks))
 
 
 @dataclass
 class Captured:
     """One bucket's graph and the tensors it reads and writes."""
 
-    graph: torch.cuda.CUDAGraph  # replays the forward of `inputs`
+    graph: Replayable  # replays the forward of `inputs` (a torch.cuda.CUDAGraph on CUDA)
     inputs: ForwardBatch  # static inputs on the device: a forward copies its batch here
-    logits: torch.Tensor  # [R, Q, vocab] static output the graph writes
-    hidden: torch.Tensor  # [R, Q, hidden] static output: the final-norm hidden states of those logits
+    logits: torch.Tensor  # [R, Q, vocab] a view of the engine's one logits buffer, which the graph writes
+    hidden: torch.Tensor  # [R, Q, hidden] a view of its one hidden-state buffer: the final-norm states of those logits
 
 
 def dummy_batch(shape: BatchShape, device: torch.device) -> ForwardBatch:
@@ -86,8 +65,10 @@ def dummy_batch(shape: BatchShape, device: torch.device) -> ForwardBatch:
 class CudaGraphRunner:
     """The graph model, its paged pool and its buckets."""
 
-    def __init__(self, model: GraphModel, kv: PagedKV, buckets: Buckets | None = None, capture: bool | None = None):
-        """capture: capture CUDA graphs (default: when the model is on a CUDA device)."""
+    def __init__(self, model: GraphModel, kv: PagedKV, buckets: Buckets | None = None, capture: bool | None = None,
+                 capturer: Capturer | None = None):
+        """capture: capture CUDA graphs (default: when the model is on a CUDA device); capturer:
+        how a bucket is captured (default cuda_graph; the CPU tests pass capture.eager_graph)."""
         self.model = model
         self.kv = kv
         buckets = buckets or Buckets()
@@ -97,9 +78,14 @@ class CudaGraphRunner:
         self.buckets = buckets
         self.shapes = self.buckets.shapes()  # smallest first
         self.capture_enabled = model.device.type == "cuda" if capture is None else capture
-        if self.capture_enabled and model.device.type != "cuda":
+        if self.capture_enabled and model.device.type != "cuda" and capturer is None:
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {model.device}")
+        self.capturer = capturer or cuda_graph
         self.graphs: dict[BatchShape, Captured] = {}
+        self.report = CaptureReport()  # what capture() did
+        self.logits_buffer: torch.Tensor | None = None  # [slots · vocab] every bucket's logits (views of it)
+        self.hidden_buffer: torch.Tensor | None = None  # [slots · hidden] every bucket's hidden states
+        self.memory_pool = None  # the graphs' shared pool (the draft loop captures into it too)
         self.replays = 0  # forwards served from a captured graph
         self.eager_runs = 0  # forwards run eagerly (no capture, or past the largest bucket)
 
@@ -107,29 +93,41 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> int:
-        """Capture every bucket's graph (nothing to do without capture); returns how many."""
+        """Capture every bucket's graph (nothing to do without capture); returns how many. A
+        bucket that fails to capture is logged at WARNING and runs eagerly."""
         if not self.capture_enabled:
             return 0
-        memory_pool = torch.cuda.graph_pool_handle()
-        for shape in reversed(self.shapes):  # largest first: the smaller ones fit in its memory
-            self.graphs[shape] = self._capture_one(shape, memory_pool)
-        torch.cuda.synchronize(self.model.device)
-        log.info("captured %d CUDA graphs (largest bucket %s)", len(self.graphs), self.shapes[-1])
-        return len(self.graphs)
+        device = self.model.device
+        slots = self.buckets.largest_slots()
+        self.logits_buffer = torch.empty(slots * int(self.model.head.shape[0]), dtype=self.model.dtype, device=device)
+        self.hidden_buffer = torch.empty(slots * self.model.arch.hidden, dtype=self.model.dtype, device=device)
+        self.memory_pool = memory_pool_for(device)
+        with capturing(device):  # largest first: the smaller ones fit in its memory
+            self.report = capture_each(reversed(self.shapes), self._capture_one, "forward", self.graphs)
+        log.info("captured %d forward CUDA graphs in %.1f s (%d failed, running eagerly; largest bucket %s; "
+                 "shared logits buffer %d bytes)", self.report.captured, self.report.seconds, self.report.failed,
+                 self.shapes[-1], self.logits_buffer.numel() * self.logits_buffer.element_size())
+        return self.report.captured
 
-    def _capture_one(self, shape: BatchShape, memory_pool) -> Captured:
+    def output_views(self, shape: BatchShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """A bucket's logits [R, Q, vocab] and hidden states [R, Q, hidden]: the first R·Q rows of
+        the shared buffers (buckets replay one at a time)."""
+        R, Q = shape.rows, shape.tokens
+        vocab, hidden = int(self.model.head.shape[0]), self.model.arch.hidden
+        return (self.logits_buffer[:R * Q * vocab].view(R, Q, vocab),
+                self.hidden_buffer[:R * Q * hidden].view(R, Q, hidden))
+
+    def _capture_one(self, shape: BatchShape) -> Captured:
         inputs = dummy_batch(shape, self.model.device)
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: lazy initialisations happen here
-            for _ in range(2):
-                self.model.forward(inputs, self.kv.pools)
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=memory_pool):
-            hidden = self.model.hidden_states(inputs, self.kv.pools)  # [R, Q, hidden]
-            logits = self.model.logits(hidden)  # [R, Q, vocab]
-        return Captured(graph, inputs, logits, hidden)
+        logits, hidden = self.output_views(shape)
+        head = self.model.head
+
+        def run() -> None:
+            states = self.model.hidden_states(inputs, self.kv.pools)  # [R, Q, hidden]
+            hidden.copy_(states)
+            torch.matmul(states, head.t(), out=logits)  # [R, Q, vocab], as GraphModel.logits
+
+        return Captured(self.capturer(run, self.model.device, self.memory_pool), inputs, logits, hidden)
 
     # ---- forwards ----------------------------------------------------------------------------
 

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from specdec.runtime.transfer import upload
 from specdec.runtime.graph.batched_proposal import RowWarps, draw_rows, proposal_rows
 from specdec.runtime.graph.batch import ForwardBatch
+from specdec.runtime.graph.buckets import DRAFT_STEPS  # noqa: F401 - the loop's γ buckets
+from specdec.runtime.graph.capture import CaptureReport, Capturer, capture_each, capturing, cuda_graph, memory_pool_for
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV
 
 log = logging.getLogger(__name__)
-
-DRAFT_STEPS = (1, 2, 4, 8)  # γ buckets of the captured loop (deeper loops run eagerly)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def padded_inputs(shape: LoopShape, vocab: int, null_slot: int, device: torch.de
 class CapturedLoop:
     """One bucket's graph and the tensors it reads and writes."""
 
-    graph: torch.cuda.CUDAGraph  # replays the loop over `inputs`
+    graph: Any  # replays the loop over `inputs` (a torch.cuda.CUDAGraph on CUDA)
     inputs: LoopInputs  # static inputs: a loop copies its own here
     outputs: LoopOutputs  # static outputs the graph writes
 
@@ -140,8 +141,9 @@ class DraftLoop:
     """The draft loop of one graph model and its paged pool (module docstring)."""
 
     def __init__(self, model: GraphModel, kv: PagedKV, k: int, rows: tuple[int, ...], steps: tuple[int, ...],
-                 blocks: tuple[int, ...], capture: bool):
-        """k: the proposal's top-K (--proposal-top-k); capture: CUDA graphs (a CUDA model only)."""
+                 blocks: tuple[int, ...], capture: bool, capturer: Capturer | None = None):
+        """k: the proposal's top-K (--proposal-top-k); capture: CUDA graphs (a CUDA model only,
+        unless a capturer is given: capture.eager_graph runs the capture path on a CPU)."""
         self.model = model
         self.kv = kv
         self.k = k
@@ -150,6 +152,8 @@ class DraftLoop:
         self.shapes = sorted((LoopShape(r, s, b) for r in rows for s in steps for b in blocks),
                              key=lambda x: (x.rows * x.steps * x.blocks, x.rows, x.steps, x.blocks))
         self.capture_enabled = capture
+        self.capturer = capturer or cuda_graph
+        self.report = CaptureReport()  # what capture() did
         self.graphs: dict[LoopShape, CapturedLoop] = {}
         self.replays = 0  # loops served from a captured graph
         self.eager_runs = 0  # loops run eagerly
@@ -159,24 +163,31 @@ class DraftLoop:
         """Capture every bucket's loop (nothing without capture); returns how many."""
         if not self.capture_enabled:
             return 0
-        memory_pool = memory_pool or torch.cuda.graph_pool_handle()
         device = self.model.device
+        memory_pool = memory_pool or memory_pool_for(device)
         widest = LoopShape(*(max(getattr(s, f.name) for s in self.shapes) for f in fields(LoopShape)))
         shared = padded_inputs(widest, self.vocab, self.null_slot, device)  # one set for every bucket
-        for shape in reversed(self.shapes):  # largest first: the smaller ones fit in its memory
+
+        def capture_one(shape: LoopShape) -> CapturedLoop:
             inputs = shared.view(shape)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # lazy initialisations happen off the capture
-                run_loop(self.model, self.kv.pools, inputs, self.k)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory_pool):
-                outputs = run_loop(self.model, self.kv.pools, inputs, self.k)
-            self.graphs[shape] = CapturedLoop(graph, inputs, outputs)
-        torch.cuda.synchronize(device)
-        log.info("captured %d draft-loop graphs (largest bucket %s)", len(self.graphs), self.shapes[-1])
-        return len(self.graphs)
+            outputs: list[LoopOutputs] = []
+
+            def run() -> None:  # the first run's outputs are the static ones every later run writes
+                drawn = run_loop(self.model, self.kv.pools, inputs, self.k)
+                if not outputs:
+                    outputs.append(drawn)
+                    return
+                for f in fields(LoopOutputs):
+                    getattr(outputs[0], f.name).copy_(getattr(drawn, f.name))
+
+            graph = self.capturer(run, device, memory_pool)
+            return CapturedLoop(graph, inputs, outputs[0])
+
+        with capturing(device):  # largest first: the smaller ones fit in its memory
+            self.report = capture_each(reversed(self.shapes), capture_one, "draft-loop", self.graphs)
+        log.info("captured %d draft-loop CUDA graphs in %.1f s (%d failed, running eagerly; largest bucket %s)",
+                 self.report.captured, self.report.seconds, self.report.failed, self.shapes[-1])
+        return self.report.captured
 
     def bucket_for(self, needed: LoopShape) -> LoopShape | None:
         return next((shape for shape in self.shapes if shape.holds(needed)), None)

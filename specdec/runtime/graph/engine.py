@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any, Sequence
 
 import torch
@@ -35,8 +36,10 @@ import torch
 from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.graph.batch import RowInput
+from specdec.runtime.graph.buckets import capture_reserve_bytes, context_blocks, loop_steps, session_counts
+from specdec.runtime.graph.capture import Capturer, capture_setting
 from specdec.runtime.graph.cuda_graphs import Buckets, CudaGraphRunner
-from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs
+from specdec.runtime.graph.draft_loop import DraftLoop, LoopOutputs
 from specdec.runtime.graph.tree_loop import TreeLoopInputs, run_tree_loop
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV, blocks_for, budget_bytes
@@ -54,6 +57,9 @@ from specdec.maths.tree import TREE_WIDTH
 from specdec.types import ModelDescription, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# torch.OutOfMemoryError is torch 2.5's name; pyproject allows 2.4, where only the CUDA one exists
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class PagedBlocks:
@@ -94,9 +100,12 @@ class GraphEngine(SessionEngine):
 
     def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int | float, max_speculative_tokens: int,
                  prefill_chunk: int = 512, block_size: int = 16, buckets: Buckets | None = None,
-                 capture: bool | None = None, model: GraphModel | None = None, kv_type: Any = PagedKV):
+                 capture: bool | None = None, capturer: Capturer | None = None,
+                 model: GraphModel | None = None, kv_type: Any = PagedKV):
         """kv_cache_bytes: the pool's budget in bytes, or a float in (0, 1]: that fraction of the
-        device's free memory (CUDA only); capture: CUDA graphs at start (default: on CUDA);
+        device's free memory (CUDA only) once what capture will take is set aside
+        (buckets.capture_reserve_bytes); capture: CUDA graphs at start (default: on CUDA);
+        capturer: how a bucket is captured (capture.py; the CPU tests pass eager_graph);
         model and kv_type: rank 0's shard and pool under tensor parallelism (graph/ranks.py),
         else the model is loaded.model's and the pool a PagedKV."""
         hf = loaded.model
@@ -105,13 +114,17 @@ class GraphEngine(SessionEngine):
         eos = eos_token_ids(hf, loaded.tokenizer)
         self.model = model if model is not None else GraphModel.from_hf(hf, consume=True)
         self.device = self.model.device
+        if self.device.type == "cuda":  # the unfused projections' memory, freed by from_hf, back to the GPU
+            torch.cuda.empty_cache()
         self.tokenizer = loaded.tokenizer
         self.kv_spec = self.model.pool_spec(block_size)
         context = min(context, self.model.arch.max_context)
-        budget = pool_budget(budget_bytes(kv_cache_bytes, self.device), max_sessions, context,
+        capturing = self.device.type == "cuda" if capture is None else capture
+        reserve = self.capture_reserve(buckets or Buckets(), context, block_size) if capturing else 0
+        budget = pool_budget(budget_bytes(kv_cache_bytes, self.device, reserve), max_sessions, context,
                              self.kv_spec.bytes_per_token)
         self.kv = kv_type(self.kv_spec, blocks_for(self.kv_spec, budget))
-        self.graph = CudaGraphRunner(self.model, self.kv, buckets, capture)
+        self.graph = CudaGraphRunner(self.model, self.kv, buckets, capture, capturer)
         self.max_speculative_tokens = max_speculative_tokens
         self.draft_loop: DraftLoop | None = None  # made by drafting(): only a draft service drafts
         self.caches = SessionCaches(max_sessions, self.kv.capacity_tokens * self.kv_spec.bytes_per_token)
@@ -119,6 +132,7 @@ class GraphEngine(SessionEngine):
         self._ids = itertools.count()
         self.prefill_chunk = max(1, prefill_chunk)
         self.tokens_run = 0
+        self.capture_seconds = 0.0  # wall time of warm_up's captures
         self.restored = {}
         self.vocab_size = int(self.model.head.shape[0])
         self.embedding_size = int(self.model.embed.shape[0])
@@ -139,8 +153,21 @@ class GraphEngine(SessionEngine):
         self.heads = TargetHeads.of(loaded.heads, self.model.logits)
         if self.heads is not None:
             self.description = self.heads.describe(self.description)
-        log.info("%s: graph engine, paged K/V pool of %d blocks x %d tokens (%d bytes per token)",
-                 loaded.model_id, self.kv.num_blocks, block_size, self.kv_spec.bytes_per_token)
+        log.info("%s: graph engine on %s, paged K/V pool of %d blocks x %d tokens (%d bytes per token, %d bytes; "
+                 "%d bytes set aside for capture), %d forward buckets, CUDA graphs %s", loaded.model_id,
+                 self.device, self.kv.num_blocks, block_size, self.kv_spec.bytes_per_token,
+                 self.kv.num_blocks * self.kv_spec.bytes_per_block, reserve, len(self.graph.shapes),
+                 "on" if self.graph.capture_enabled else "off")
+
+    def capture_reserve(self, buckets: Buckets, context: int, block_size: int) -> int:
+        """What capture will take on the device (an estimate for the largest bucket at this context)."""
+        model, arch = self.model, self.model.arch
+        if not buckets.blocks:
+            buckets = dataclasses.replace(buckets, blocks=context_blocks(-(-context // block_size)))
+        return capture_reserve_bytes(buckets, vocab=int(model.head.shape[0]), hidden=arch.hidden,
+                                     intermediate=int(model.layers[0].gate_up.shape[0]) // 2, heads=arch.heads,
+                                     kv_heads=arch.kv_heads, head_dim=arch.head_dim, itemsize=model.dtype.itemsize,
+                                     block_size=block_size)
 
     def capture(self) -> int:
         """Capture the buckets' CUDA graphs (before the service reports SERVING); how many."""
@@ -149,9 +176,19 @@ class GraphEngine(SessionEngine):
     def warm_up(self) -> None:
         """Capture the CUDA graphs (on CUDA; nothing on a CPU) — the draft loop's too once
         drafting() made it — then the engines' common warm-up."""
-        captured = self.capture() + (self.draft_loop.capture() if self.draft_loop is not None else 0)
-        if captured:
-            log.info("%s: %d CUDA graphs captured", self.description.model_id, captured)
+        started = time.perf_counter()
+        captured = self.capture()
+        if self.draft_loop is not None:
+            captured += self.draft_loop.capture(self.graph.memory_pool)
+        self.capture_seconds = time.perf_counter() - started
+        if self.graph.capture_enabled:
+            failed = self.graph.report.failed + (self.draft_loop.report.failed if self.draft_loop else 0)
+            memory = ""
+            if self.device.type == "cuda":
+                memory = (f"; device memory {torch.cuda.memory_allocated(self.device)} bytes allocated, "
+                          f"{torch.cuda.memory_reserved(self.device)} reserved")
+            log.info("%s: %d CUDA graphs captured in %.1f s (%d failed, running eagerly)%s",
+                     self.description.model_id, captured, self.capture_seconds, failed, memory)
         super().warm_up()
 
     def verification(self) -> DeviceVerification:
@@ -162,9 +199,9 @@ class GraphEngine(SessionEngine):
         """Chains drafted by the device loop (graph/draft_loop.py), one host read per batch;
         its graphs are captured by warm_up (call this first)."""
         buckets = self.graph.buckets
-        steps = tuple(s for s in DRAFT_STEPS if s <= self.max_speculative_tokens)
+        steps = loop_steps(self.max_speculative_tokens)
         self.draft_loop = DraftLoop(self.model, self.kv, proposal_top_k, buckets.rows, steps, buckets.blocks,
-                                    self.graph.capture_enabled)
+                                    self.graph.capture_enabled, self.graph.capturer)
         return DeviceDrafting(self, proposal_top_k)
 
     def draft_steps(self, sessions: Sequence[tuple[str, SessionCache]], first_logits: torch.Tensor, steps: int,
@@ -300,7 +337,7 @@ class GraphEngine(SessionEngine):
         try:
             # per row [keep_logits, vocab] (and [keep_logits, hidden]); rolled back on failure
             logits, states = self.graph.forward_hidden(inputs) if hidden else (self.graph.forward(inputs), [])
-        except torch.OutOfMemoryError as exc:
+        except OutOfMemoryError as exc:
             tokens = sum(len(row.tokens) for row in rows)
             raise ResourceExhausted(f"out of device memory running {tokens} tokens: {exc}") from exc
         for row in rows:
@@ -337,9 +374,10 @@ class GraphEngine(SessionEngine):
 
 
 def graph_engine_from_config(config: Any, loaded: LoadedModel) -> GraphEngine:
-    """The engine of a ModelServiceConfig on the graph engine (its graphs are captured by warm_up)."""
-    rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
+    """The engine of a ModelServiceConfig on the graph engine (its graphs are captured by warm_up,
+    unless --cuda-graphs off or SPECDEC_CUDA_GRAPHS=off)."""
+    buckets = Buckets(rows=session_counts(config.max_batch_size))
     memory = config.kv_cache_memory_fraction or config.kv_cache_bytes  # a fraction of free memory, or bytes
-    engine = GraphEngine(loaded, config.max_sessions, memory, config.max_speculative_tokens,
-                         config.prefill_chunk, buckets=Buckets(rows=rows))
-    return engine
+    return GraphEngine(loaded, config.max_sessions, memory, config.max_speculative_tokens,
+                       config.prefill_chunk, buckets=buckets,
+                       capture=capture_setting(getattr(config, "cuda_graphs", "auto")))

@@ -49,9 +49,10 @@ class PoolSpec:
         return self.bytes_per_token * self.block_size
 
 
-def budget_bytes(memory: int | float, device: torch.device | str) -> int:
+def budget_bytes(memory: int | float, device: torch.device | str, reserve: int = 0) -> int:
     """The bytes a pool may take: `memory` bytes when it is an int (or a float > 1), else that
-    fraction of the free memory of a CUDA device (0 < fraction <= 1)."""
+    fraction of the free memory of a CUDA device (0 < fraction <= 1) once `reserve` bytes (what
+    capture will take) are set aside."""
     device = torch.device(device)
     if isinstance(memory, int) or memory > 1:
         if memory <= 0:
@@ -63,7 +64,13 @@ def budget_bytes(memory: int | float, device: torch.device | str) -> int:
         raise InvalidArgument(f"a K/V pool budget as a fraction of free memory needs a CUDA device; "
                               f"on {device} give it in bytes")
     free, _total = torch.cuda.mem_get_info(device)
-    return int(free * memory)
+    return fraction_of_free(free, memory, reserve)
+
+
+def fraction_of_free(free: int, fraction: float, reserve: int) -> int:
+    """The pool's bytes under --kv-cache-memory-fraction: the fraction of what is free once the
+    capture's reserve is set aside (measured before capture, so the graphs still fit after)."""
+    return int(max(0, free - reserve) * fraction)
 
 
 def blocks_for(spec: PoolSpec, budget: int) -> int:

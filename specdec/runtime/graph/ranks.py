@@ -325,7 +325,7 @@ def tensor_parallel_engine(config: Any) -> Any:
 
     from transformers import AutoConfig, GenerationConfig
 
-    from specdec.runtime.graph.cuda_graphs import Buckets
+    from specdec.runtime.graph.buckets import Buckets, session_counts
     from specdec.runtime.graph.engine import GraphEngine
     from specdec.runtime.graph.model import arch_config
     from specdec.runtime.graph.parallel import check_tensor_parallel
@@ -365,9 +365,9 @@ def tensor_parallel_engine(config: Any) -> Any:
         loaded = LoadedModel(SimpleNamespace(config=hf_config, generation_config=generation),
                              load_tokenizer(config.model, config.trust_remote_code), config.model,
                              TORCH_DTYPES[config.dtype], device)
-        rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
         engine = GraphEngine(loaded, config.max_sessions, config.kv_cache_memory_fraction or config.kv_cache_bytes,
-                             config.max_speculative_tokens, config.prefill_chunk, buckets=Buckets(rows=rows),
+                             config.max_speculative_tokens, config.prefill_chunk,
+                             buckets=Buckets(rows=session_counts(config.max_batch_size)),
                              capture=False, model=model, kv_type=functools.partial(LeaderKV, leader=leader))
         leader.send([OP_POOL, engine.kv.num_blocks, engine.kv_spec.block_size])
         # K/V chunks hold every rank's heads, keyed for N (the config names it)

@@ -157,7 +157,7 @@ class TorchEngine(SessionEngine):
         except BaseException as exc:
             for row in rows:
                 self.caches.discard(row.session_id, row.entry)
-            if isinstance(exc, torch.OutOfMemoryError):
+            if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):  # 2.4 lacks it
                 tokens = sum(len(row.tokens) for row in rows)
                 raise ResourceExhausted(f"out of device memory running {tokens} tokens: {exc}") from exc
             raise
