@@ -67,6 +67,9 @@ class ModelServiceConfig(ServerTlsConfig):
     dtype: str = opt("bfloat16", "weight dtype (torch and graph backends)", DTYPES)
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1 ... (llama.cpp: cpu, or any other value to "
                       "offload every layer to the GPU llama-cpp-python was built for)")
+    tensor_parallel_size: int = opt(1, "graph backend: split the model over N rank processes started by this "
+                                    "service (Megatron-style tensor parallelism; cuda:0..N-1, or N CPU "
+                                    "processes with --device cpu); N must divide the attention heads")
     threads: int = opt(0, "CPU threads of the model (0 = the backend's default: torch's own, or every core "
                        "for llama.cpp)")
     kv_cache_type: str = opt("f16", "element type of the K/V cache (llama.cpp backend)", choices_of(KVCacheType))

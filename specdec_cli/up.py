@@ -42,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "same output; auto = int8 on a CPU unless float64 (env SPECDEC_UP_DRAFT_QUANTIZE)")
     up.add_argument("--target-heads", default=env_default("up", "target_heads", ""),
                     help=f"the target's --heads: {help_of(TargetConfig, 'heads')} (env SPECDEC_UP_TARGET_HEADS)")
+    up.add_argument("--tensor-parallel-size", type=int, default=env_default("up", "tensor_parallel_size", 1),
+                    help="the target's --tensor-parallel-size: split it over N rank processes (--backend "
+                         "graph; cuda:0..N-1, or N CPU processes with --device cpu); the draft stays on one "
+                         "(env SPECDEC_UP_TENSOR_PARALLEL_SIZE)")
     up.add_argument("--kv-store", default=env_default("up", "kv_store", ""),
                     help="the draft's and the target's --kv-store: redis://[:PASSWORD@]HOST:PORT/DB "
                          "(rediss:// for TLS) where they keep K/V chunks of sessions' history; "
@@ -155,6 +159,7 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
     grpc_ports, metrics = service_ports(args), metrics_ports(args)
     kv_store = ["--kv-store", args.kv_store] if args.kv_store else []
     heads = ["--heads", args.target_heads] if args.target_heads else []
+    parallel = ["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size != 1 else []
     names = ["--served-model-name", *served_names(args)] if served_names(args) else []
     api_key = ["--api-key-file", args.api_key_file] if args.api_key_file else []
     recording = [argument for flag in ("record_dir", "record_max_bytes", "record_stream", "record_max_len")
@@ -168,7 +173,7 @@ def commands(args: argparse.Namespace, draft_model: str, target_model: str,
         "target": SERVE + ["target", "--model", target_model, "--backend", args.backend, "--dtype", args.dtype,
                            "--device", args.device, "--cuda-graphs", args.cuda_graphs,
                            "--port", str(grpc_ports["target"]),
-                           "--metrics-port", str(metrics["target"]), *kv_store, *heads],
+                           "--metrics-port", str(metrics["target"]), *kv_store, *heads, *parallel],
         "coordinator": SERVE + ["coordinator", "--draft", addresses["draft"], "--target", addresses["target"],
                                 "--port", str(grpc_ports["coordinator"]), "--http-port", str(http_port(args)),
                                 "--metrics-port", str(metrics["coordinator"]),

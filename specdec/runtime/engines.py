@@ -71,6 +71,16 @@ def check_memory_fraction(fraction: float, backend: Backend, device: str) -> Non
                              f"this service runs --backend {backend} on {device}: give --kv-cache-bytes instead")
 
 
+def check_tensor_parallel_backend(size: int, backend: Backend) -> None:
+    """ModelLoadError for a --tensor-parallel-size this engine cannot take."""
+    if size < 1:
+        raise ModelLoadError(f"--tensor-parallel-size must be >= 1, got {size}")
+    if size > 1 and backend != Backend.GRAPH:
+        raise ModelLoadError(f"--tensor-parallel-size {size} splits the model on the graph engine; this service "
+                             f"runs --backend {backend}: pass --backend graph (Llama / Qwen2 / Mistral "
+                             "checkpoints), or --tensor-parallel-size 1")
+
+
 def engine_from_config(config) -> ModelEngine:
     """Load the model of a ModelServiceConfig on its engine, with its cache bounds; its
     description names the checkpoint's files (specdec/checkpoint.py)."""
@@ -86,6 +96,7 @@ def _load_engine(config) -> ModelEngine:
     backend = resolve_backend(config.backend, config.model, device=config.device,
                               quantize=getattr(config, "quantize", Quantization.NONE))
     check_memory_fraction(config.kv_cache_memory_fraction, backend, config.device)
+    check_tensor_parallel_backend(getattr(config, "tensor_parallel_size", 1), backend)
     heads = getattr(config, "heads", "")  # a target's --heads
     if heads and backend == Backend.LLAMA_CPP:
         raise ModelLoadError(f"--heads needs the target's hidden states, which the llama.cpp backend does "
@@ -123,6 +134,8 @@ def _load_engine(config) -> ModelEngine:
 def graph_engine(config) -> ModelEngine:
     """The graph engine: plain (unquantized, unpacked) weights; its CUDA graphs
     captured by its warm-up, before the service starts serving."""
+    from types import SimpleNamespace
+
     from specdec.runtime.graph.engine import graph_engine_from_config
     from specdec.runtime.kv_tier import tensors_digest
     from specdec.runtime.loader import load_model
@@ -131,6 +144,15 @@ def graph_engine(config) -> ModelEngine:
     if quantize in (Quantization.INT8, Quantization.INT4):
         raise ModelLoadError(f"--backend graph runs plain weights, not --quantize {quantize}; "
                              "pass --quantize none, or --backend torch")
+    if getattr(config, "tensor_parallel_size", 1) > 1:  # ranks started by this service (graph/ranks.py)
+        from specdec.runtime.graph.ranks import tensor_parallel_engine
+
+        engine = tensor_parallel_engine(config)
+        chunks = SimpleNamespace(kv_spec=engine.chunk_spec, description=engine.description,
+                                 read_chunk=engine.read_chunk, load_chunks=engine.load_chunks)
+        engine.kv_tier = kv_tier_for(chunks, config, "graph", engine.hf_config,
+                                     lambda: tensors_digest(engine.named_weights().items()))
+        return engine
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
                         heads=getattr(config, "heads", ""))
     engine = graph_engine_from_config(config, loaded)

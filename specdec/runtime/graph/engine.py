@@ -100,16 +100,19 @@ class GraphEngine(SessionEngine):
 
     def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int | float, max_speculative_tokens: int,
                  prefill_chunk: int = 512, block_size: int = 16, buckets: Buckets | None = None,
-                 capture: bool | None = None, capturer: Capturer | None = None):
+                 capture: bool | None = None, capturer: Capturer | None = None,
+                 model: GraphModel | None = None, kv_type: Any = PagedKV):
         """kv_cache_bytes: the pool's budget in bytes, or a float in (0, 1]: that fraction of the
         device's free memory (CUDA only) once what capture will take is set aside
         (buckets.capture_reserve_bytes); capture: CUDA graphs at start (default: on CUDA);
-        capturer: how a bucket is captured (capture.py; the CPU tests pass eager_graph)."""
+        capturer: how a bucket is captured (capture.py; the CPU tests pass eager_graph);
+        model and kv_type: rank 0's shard and pool under tensor parallelism (graph/ranks.py),
+        else the model is loaded.model's and the pool a PagedKV."""
         hf = loaded.model
         self.hf_config = hf.config  # what the K/V tier keys chunks with
         context = max_context_length(hf, loaded.tokenizer)
         eos = eos_token_ids(hf, loaded.tokenizer)
-        self.model = GraphModel.from_hf(hf, consume=True)
+        self.model = model if model is not None else GraphModel.from_hf(hf, consume=True)
         self.device = self.model.device
         if self.device.type == "cuda":  # the unfused projections' memory, freed by from_hf, back to the GPU
             torch.cuda.empty_cache()
@@ -120,7 +123,7 @@ class GraphEngine(SessionEngine):
         reserve = self.capture_reserve(buckets or Buckets(), context, block_size) if capturing else 0
         budget = pool_budget(budget_bytes(kv_cache_bytes, self.device, reserve), max_sessions, context,
                              self.kv_spec.bytes_per_token)
-        self.kv = PagedKV(self.kv_spec, blocks_for(self.kv_spec, budget))
+        self.kv = kv_type(self.kv_spec, blocks_for(self.kv_spec, budget))
         self.graph = CudaGraphRunner(self.model, self.kv, buckets, capture, capturer)
         self.max_speculative_tokens = max_speculative_tokens
         self.draft_loop: DraftLoop | None = None  # made by drafting(): only a draft service drafts

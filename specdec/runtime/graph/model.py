@@ -144,7 +144,9 @@ class GraphModel:
     """The decoder: `forward(batch, pools)` writes the batch's K/V into the pool and returns logits."""
 
     def __init__(self, arch: ArchConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 head: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float):
+                 head: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float, parallel: Any = None):
+        """parallel: this rank's parallel.TensorParallel when the layers are one rank's shards
+        (arch then counts the rank's own heads); None on one device."""
         from transformers.activations import ACT2FN
 
         self.arch = arch
@@ -155,6 +157,7 @@ class GraphModel:
         self.inv_freq = inv_freq  # [head_dim / 2] float32
         self.rope_scaling = rope_scaling  # cos/sin multiplier (yarn's attention factor; 1 otherwise)
         self.act = ACT2FN[arch.act]
+        self.parallel = parallel
         self.dtype = embed.dtype
         self.device = embed.device
 
@@ -240,12 +243,16 @@ class GraphModel:
         out = F.scaled_dot_product_attention(q.reshape(R, arch.kv_heads, group * Q, arch.head_dim), kv[0], kv[1],
                                              attn_mask=mask, scale=arch.head_dim ** -0.5)  # [R, kv_heads, group·Q, dim]
         out = out.view(R, arch.kv_heads, group, Q, arch.head_dim).permute(0, 3, 1, 2, 4)  # [R, Q, kv_heads, group, dim]
-        return F.linear(out.reshape(R, Q, arch.heads * arch.head_dim), w.o, w.o_bias)
+        return self.reduced(F.linear(out.reshape(R, Q, arch.heads * arch.head_dim), w.o, w.o_bias))
 
     def mlp(self, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """h [R, Q, hidden] -> [R, Q, hidden]."""
         gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [R, Q, intermediate] each
-        return F.linear(self.act(gate) * up, w.down, w.down_bias)
+        return self.reduced(F.linear(self.act(gate) * up, w.down, w.down_bias))
+
+    def reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product [R, Q, hidden] summed over the ranks (as it is on one device)."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
 
 def _bias(*linears: Any) -> torch.Tensor | None:

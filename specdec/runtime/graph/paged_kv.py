@@ -209,12 +209,16 @@ class PagedKV:
                                   f"{session_id!r}'s {entry.length - base} tokens after {base}")
         moves = [(base + node, base + k) for k, node in enumerate(path) if node != k]
         if moves:
-            src = torch.tensor(self.slots_of(entry, [s for s, _ in moves]), device=self.spec.device)
-            dst = torch.tensor(self.slots_of(entry, [d for _, d in moves]), device=self.spec.device)
-            for pool in self.pools:
-                flat = pool.view(2, -1, self.spec.kv_heads, self.spec.head_dim)  # [2, slots, kv_heads, dim]
-                flat[:, dst] = flat[:, src]  # the right side is gathered first: overlaps are safe
+            self.move_slots(self.slots_of(entry, [s for s, _ in moves]), self.slots_of(entry, [d for _, d in moves]))
         self.truncate(session_id, base + len(path))
+
+    def move_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the K/V rows of pool slots `src` to slots `dst` in every layer (overlaps safe)."""
+        src_t = torch.tensor(list(src), device=self.spec.device)
+        dst_t = torch.tensor(list(dst), device=self.spec.device)
+        for pool in self.pools:
+            flat = pool.view(2, -1, self.spec.kv_heads, self.spec.head_dim)  # [2, slots, kv_heads, dim]
+            flat[:, dst_t] = flat[:, src_t]  # the right side is gathered first: overlaps are safe
 
     def slots_of(self, entry: SessionBlocks, positions: Sequence[int]) -> list[int]:
         size = self.spec.block_size
