@@ -345,6 +345,7 @@ def test_memory_store_leases_are_per_request():
 def test_renewal_keeps_the_lease_past_its_ttl(redis_url):
     async def body():
         async with _replicas(redis_url, lease_ttl_s=0.3) as (a, b):
+            await b.ping()  # connected first (a Cluster client loads its slot map): not on the lease's clock
             record = await a.create()
             lease = await a.acquire(record.session_id)
             for _ in range(10):  # 1 s, three lease lifetimes
