@@ -19,6 +19,16 @@ SERVICE = "specdec"
 DOWN_AFTER_MS = 1000
 
 
+FAST_SYNC = ["--repl-diskless-sync-delay", "0"]  # a replica syncs at once, not after 5 s
+
+
+def online_replicas(server: RedisServer) -> int:
+    """The replicas of `server` that finished their sync (WAIT counts only these)."""
+    info = server.client(socket_timeout=1).info("replication")
+    return sum(1 for key, value in info.items()
+               if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
+
+
 def _wait(predicate, what: str, timeout_s: float = 30.0, every_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -38,7 +48,7 @@ class SentinelGroup:
     def __init__(self, directory: Path, replicas: int = 2, sentinels: int = 3, extra: list[str] | None = None):
         self.directory = Path(directory)
         self.extra = extra or []
-        self.servers = [RedisServer(self.directory / f"redis{i}", extra=list(self.extra))
+        self.servers = [RedisServer(self.directory / f"redis{i}", extra=[*FAST_SYNC, *self.extra])
                         for i in range(1 + replicas)]
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.sentinels: list[subprocess.Popen] = []
@@ -60,8 +70,7 @@ class SentinelGroup:
         for replica in self.servers[1:]:
             replica.extra += ["--replicaof", "127.0.0.1", str(primary.port)]
             replica.start()
-        _wait(lambda: primary.client().info("replication")["connected_slaves"] == len(self.servers) - 1,
-              "the replicas to connect")
+        _wait(lambda: online_replicas(primary) == len(self.servers) - 1, "the replicas to sync")
         for i, port in enumerate(self.sentinel_ports):
             conf = self.directory / f"sentinel{i}.conf"
             conf.write_text(
@@ -117,7 +126,7 @@ class ClusterGroup:
         self.directory = Path(directory)
         self.servers = [RedisServer(self.directory / f"node{i}", port=cluster_port(), extra=[
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", str(DOWN_AFTER_MS)]) for i in range(2 * primaries)]
+            "--cluster-node-timeout", str(DOWN_AFTER_MS), *FAST_SYNC]) for i in range(2 * primaries)]
 
     @property
     def url(self) -> str:
@@ -146,6 +155,12 @@ class ClusterGroup:
                        for s in self.servers if s.proc is not None)
         _wait(ok, "the cluster to be ok", timeout_s)
 
+        def synced() -> bool:
+            live = [s for s in self.servers if s.proc is not None]
+            primaries = [s for s in live if s.client(socket_timeout=1).info("replication")["role"] == "master"]
+            return all(online_replicas(p) >= 1 for p in primaries)
+        _wait(synced, "every primary's replica to sync", timeout_s)
+
     def primary_of(self, key: str) -> RedisServer:
         """The server holding `key`'s slot now."""
         client = self.servers[0].client(socket_timeout=1)
@@ -158,3 +173,18 @@ class ClusterGroup:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
+
+    def migrate_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Move `slot` and its keys from `source` to `target` (both primaries), as
+        `redis-cli --cluster reshard` does: IMPORTING / MIGRATING, MIGRATE in batches, then the
+        slot assigned on every primary."""
+        src, dst = source.client(socket_timeout=5), target.client(socket_timeout=5)
+        src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+        dst.cluster("setslot", slot, "importing", src_id)
+        src.cluster("setslot", slot, "migrating", dst_id)
+        while keys := src.cluster("getkeysinslot", slot, 100):
+            src.migrate("127.0.0.1", target.port, keys, 0, 5000)
+        for server in self.servers:
+            if server.proc is not None and server.client(socket_timeout=1).info("replication")["role"] == "master":
+                server.client(socket_timeout=5).cluster("setslot", slot, "node", dst_id)
+
