@@ -105,9 +105,13 @@ return 1
 """
 
 
-def _keys(session_id: str) -> tuple[str, str, str]:
+def session_keys(session_id: str) -> tuple[str, str, str]:
+    """(meta, tokens, lease): the keys of a session, also for tools that read the store."""
     base = PREFIX + "{" + session_id + "}"
     return base + ":meta", base + ":tokens", base + ":lease"
+
+
+_keys = session_keys
 
 
 def _legacy_keys(session_id: str) -> tuple[str, str, str]:
