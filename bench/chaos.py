@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from bench.chaos_clients import REQUEST_BUDGET_S, RETRYABLE, Client, GreedyCase, Tally  # noqa: E402
 from bench.netns import Host, TestHosts  # noqa: E402
 from bench.processes import free_port  # noqa: E402
+from coordinator.sessions.redis_store import session_keys  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
 
 FAULTS = ("kill", "cut", "slow", "redis")
@@ -302,7 +303,7 @@ def lost_in_redis(client: redis.Redis, sessions: dict[str, list[int]]) -> tuple[
     """(tokens checked, tokens a client knows a session holds that Redis does not)."""
     checked = lost = 0
     for sid, tokens in sessions.items():
-        stored = [int(t) for t in client.lrange(f"specdec:session:{sid}:tokens", 0, -1)]
+        stored = [int(t) for t in client.lrange(session_keys(sid)[1], 0, -1)]
         checked += len(tokens)
         lost += sum(1 for i, t in enumerate(tokens) if i >= len(stored) or stored[i] != t)
     return checked, lost

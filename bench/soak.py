@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.processes import free_port  # noqa: E402
+from coordinator.sessions.redis_store import session_keys  # noqa: E402
 from specdec.rpc.health import wait_healthy  # noqa: E402
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
@@ -277,7 +278,7 @@ def run_soak(sessions: int = 32, seconds: float = 120.0, draft_model: str = "", 
             client = redis.Redis.from_url(redis_url, decode_responses=True)
             lost = 0
             for sid, tokens in tally.expected.items():
-                stored = [int(t) for t in client.lrange(f"specdec:session:{sid}:tokens", 0, -1)]
+                stored = [int(t) for t in client.lrange(session_keys(sid)[1], 0, -1)]
                 lost += sum(1 for i, t in enumerate(tokens) if i >= len(stored) or stored[i] != t)
             client.close()
         finally:

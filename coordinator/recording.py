@@ -125,31 +125,39 @@ class DirectorySink:
 
 class StreamSink:
     """A Redis stream, trimmed to `max_len` entries (XADD MAXLEN), each entry's field
-    `record` one record line."""
+    `record` one record line. The Redis is --session-store's, of any topology (one key: on a
+    Cluster it lives on the node owning its slot); the client is opened on the writer thread,
+    at the first record, so a Redis down at start costs records, not the start."""
 
     def __init__(self, url: str, key: str, max_len: int):
-        import redis
+        from specdec.redis_url import parse_redis_url
 
         if max_len < 1:
             raise ValueError(f"--record-max-len must be >= 1, got {max_len}")
-        if not url.startswith(("redis://", "rediss://")):
-            raise ValueError("--record-stream writes to the Redis of --session-store, which is "
-                             f"{url!r}: give --session-store a redis:// URL, or record with --record-dir")
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self.key, self.max_len = key, max_len
+        try:
+            parse_redis_url(url)
+        except ValueError as exc:
+            raise ValueError(f"--record-stream writes to the Redis of --session-store, which is not "
+                             f"a Redis URL ({exc}): give --session-store a Redis URL, or record with "
+                             "--record-dir") from None
+        self.url, self.key, self.max_len = url, key, max_len
+        self.client = None
 
     def write(self, line: bytes) -> bool:
-        import redis
+        from specdec.redis_url import REDIS_ERRORS, redis_client
 
         try:
+            if self.client is None:
+                self.client = redis_client(self.url, socket_timeout=2.0, socket_connect_timeout=2.0)
             self.client.xadd(self.key, {"record": line}, maxlen=self.max_len, approximate=False)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             log.warning("recording: could not add a record to the Redis stream %r (%s)", self.key, exc)
             return False
         return True
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 class _Chains:

@@ -33,6 +33,7 @@ from coordinator.api.openai_api import create_app
 from coordinator.api.openai_protocol import served_model_names
 from coordinator.sessions.routing import ReplicaPool, Routes
 from coordinator.api.servicer import CoordinatorServicer
+from coordinator.sessions.durability import parse_durability
 from coordinator.sessions.stores import open_store
 from coordinator.sessions.model_tiers import Tier
 
@@ -276,7 +277,7 @@ async def start(config: CoordinatorConfig, startup_timeout_s: float = STARTUP_TI
             raise _unreachable(exc, routes) from exc
         try:
             store = open_store(config.session_store, config.session_ttl_s, config.session_lease_s,
-                               config.session_holder_ttl_s)
+                               config.session_holder_ttl_s, parse_durability(config.session_durability))
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
     except StartupError:

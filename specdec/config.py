@@ -158,7 +158,12 @@ class CoordinatorConfig(ServerTlsConfig):
     metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)")
     tokenizer: str = opt("", "tokenizer directory or hub id (default: the target's model id)")
     session_store: str = opt("memory", "session store: memory, or redis://[:PASSWORD@]HOST:PORT/DB "
-                             "(rediss:// for TLS)")
+                             "(rediss:// for TLS), redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB] "
+                             "or redis+cluster://HOST:PORT[,HOST:PORT...]")
+    session_durability: str = opt("none", "when a round's commit counts as stored: none (the primary "
+                                  "has it; a failover may lose it), or replicas=N[,timeout_ms=T] "
+                                  "(WAIT N T: N replicas have it, else the request fails UNAVAILABLE, "
+                                  "retryable; T defaults to 1000)")
     session_ttl_s: float = opt(86400.0, "seconds a session is kept after its last write (Redis)")
     session_lease_s: float = opt(30.0, "a request's hold on its session (renewed every third of this "
                                  "while it runs) lapses after this long unrenewed (Redis)")
@@ -262,7 +267,7 @@ class CoordinatorConfig(ServerTlsConfig):
     record_max_bytes: int = opt(1 << 30, "most bytes of records --record-dir holds, its files together; "
                                 "past it new records are dropped until files are moved away")
     record_stream: str = opt("", "add the training records to this Redis stream, in the Redis of "
-                             "--session-store (which must be redis://); empty = off")
+                             "--session-store (which must be a Redis URL); empty = off")
     record_max_len: int = opt(100000, "most records --record-stream keeps (older ones are trimmed)")
 
 

@@ -136,10 +136,11 @@ def read_records(path: str | Path, count: ReadCount | None = None) -> Iterator[R
 
 
 def read_stream(url: str, key: str, count: ReadCount | None = None, batch: int = 1000) -> Iterator[RequestRecord]:
-    """Every record of the Redis stream `key` (--record-stream) at `url`, oldest first."""
-    import redis
+    """Every record of the Redis stream `key` (--record-stream) at `url` (any topology:
+    specdec/redis_url.py), oldest first."""
+    from specdec.redis_url import redis_client
 
-    client = redis.Redis.from_url(url)
+    client = redis_client(url)
     try:
         start = "-"
         while True:

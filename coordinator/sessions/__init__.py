@@ -1,5 +1,6 @@
 """Sessions and replicas: the session record and its store (`session_store.py`, `memory_store.py`,
-`redis_store.py`, `stores.py`), the lease a request holds (`lease_keeper.py`), the draft and
+`redis_store.py`, `stores.py`, `durability.py`: how many replicas
+must hold a commit), the lease a request holds (`lease_keeper.py`), the draft and
 target tiers (`model_tiers.py`), their replicas and how a session is placed on them
 (`discovery.py`, `routing.py`, `clients.py`).
 

@@ -1,11 +1,15 @@
 """Sessions in Redis (redis-py asyncio), shared by every coordinator replica.
 
-Keys of session S (all with the session TTL, refreshed on every write):
-  specdec:session:S:meta    hash: created_at, updated_at, requests, stats (JSON),
-                            draft_address, draft_held, target_address, target_held
-  specdec:session:S:tokens  list of committed token ids (append-only)
-  specdec:session:S:lease   the lease id of the request generating now, "C:<uuid>" with C its
-                            coordinator (expires after lease_ttl unless the request renews it)
+The URL names one server, a Sentinel-watched primary or a Cluster (specdec/redis_url.py).
+Keys of session S (all with the session TTL, refreshed on every write), S in braces as a Redis
+Cluster hash tag, so the scripts (save, renew, take over, release) touch one slot:
+  specdec:session:{S}:meta    hash: created_at, updated_at, requests, stats (JSON),
+                              draft_address, draft_held, target_address, target_held
+  specdec:session:{S}:tokens  list of committed token ids (append-only)
+  specdec:session:{S}:lease   the lease id of the request generating now, "C:<uuid>" with C its
+                              coordinator (expires after lease_ttl unless the request renews it)
+(Sessions an older version stored as specdec:session:S:... are renamed on first use, on a
+single server or Sentinel; a Cluster never had them.)
 and of each coordinator process C using the store:
   specdec:coordinator:C     its liveness key, rewritten every third of holder_ttl: a lease whose
                             coordinator's key is gone (the process was killed, or cut off from
@@ -16,6 +20,9 @@ request has its own lease id, in its `Lease` handle), and a write only appends w
 stored token count is the one the writer last saw (checked atomically in a Lua script). A
 lease taken over from a coordinator that was only cut off makes that coordinator's next write
 fail (FAILED_PRECONDITION, "taken over"): its committed tokens stay, nothing else is written.
+
+With a Durability that waits (--session-durability replicas=N), each save is followed by
+`WAIT N T` on the same connection; fewer replicas in time and the save raises UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -27,12 +34,12 @@ import logging
 import time
 import uuid
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from specdec.errors import FailedPrecondition, Unavailable
 from specdec.logtag import redacted_url
+from specdec.redis_url import REDIS_ERRORS, Topology, parse_redis_url, redis_client
 
+from coordinator.sessions.durability import Durability, short_error
+from coordinator.sessions.redis_wait import eval_and_wait
 from coordinator.sessions.session_store import (
     Lease, Placement, SessionRecord, busy_error, check_lease, not_found_error, taken_over_error,
 )
@@ -88,7 +95,26 @@ return 0
 """
 
 
-def _keys(session_id: str) -> tuple[str, str, str]:
+# KEYS: old meta, tokens, lease, then the new ones: renames a session of the untagged layout
+RENAME_LEGACY_SCRIPT = """
+if redis.call('EXISTS', KEYS[4]) == 1 or redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 1, 3 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('RENAME', KEYS[i], KEYS[i + 3]) end
+end
+return 1
+"""
+
+
+def session_keys(session_id: str) -> tuple[str, str, str]:
+    """(meta, tokens, lease): the keys of a session, also for tools that read the store."""
+    base = PREFIX + "{" + session_id + "}"
+    return base + ":meta", base + ":tokens", base + ":lease"
+
+
+_keys = session_keys
+
+
+def _legacy_keys(session_id: str) -> tuple[str, str, str]:
     base = PREFIX + session_id
     return base + ":meta", base + ":tokens", base + ":lease"
 
@@ -117,18 +143,22 @@ class RedisSessionStore:
     """`SessionStore` over Redis; see the module docstring for the layout."""
 
     def __init__(self, url: str, ttl_s: float = 86400.0, lease_ttl_s: float = 30.0,
-                 holder_ttl_s: float = 6.0, socket_timeout_s: float = 5.0):
+                 holder_ttl_s: float = 6.0, socket_timeout_s: float = 5.0,
+                 durability: Durability = Durability()):
         self.url = url
+        self.topology = parse_redis_url(url).topology  # ValueError for a malformed URL
+        self.durability = durability
         self.ttl_ms = int(ttl_s * 1000)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.holder_ttl_ms = int(holder_ttl_s * 1000)
         self.holder_id = uuid.uuid4().hex  # this coordinator process, in its leases' ids
-        self.client = aioredis.from_url(url, socket_timeout=socket_timeout_s,
-                                        socket_connect_timeout=socket_timeout_s, decode_responses=True)
+        self.client = redis_client(url, asyncio=True, socket_timeout=socket_timeout_s,
+                                   socket_connect_timeout=socket_timeout_s, decode_responses=True)
         self._save = self.client.register_script(SAVE_SCRIPT)
         self._renew = self.client.register_script(RENEW_SCRIPT)
         self._take_over = self.client.register_script(TAKE_OVER_SCRIPT)
         self._release = self.client.register_script(RELEASE_SCRIPT)
+        self._rename_legacy = self.client.register_script(RENAME_LEGACY_SCRIPT)
         self._announcer: asyncio.Task | None = None  # rewrites this coordinator's liveness key
         self._background: set[asyncio.Task] = set()  # releases waiting for Redis to come back
         self.reachability = Reachability(redacted_url(url))
@@ -142,7 +172,7 @@ class RedisSessionStore:
     async def ping(self) -> None:
         try:
             await self.client.ping()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self._unavailable(exc) from exc
         self.reachability.answered()
 
@@ -154,7 +184,7 @@ class RedisSessionStore:
                 pipe.hset(meta, mapping=self._meta(record))
                 pipe.pexpire(meta, self.ttl_ms)
                 await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self._unavailable(exc) from exc
         self.reachability.answered()
         return record
@@ -166,10 +196,12 @@ class RedisSessionStore:
                 pipe.hgetall(meta_key)
                 pipe.lrange(tokens_key, 0, -1)
                 meta, tokens = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self._unavailable(exc) from exc
         self.reachability.answered()
         if not meta:
+            if await self._renamed_legacy(session_id):
+                return await self.get(session_id)
             raise not_found_error(session_id)
         record = SessionRecord(
             session_id=session_id, token_ids=[int(t) for t in tokens],
@@ -180,6 +212,16 @@ class RedisSessionStore:
         )
         record.stored_len = len(record.token_ids)
         return record
+
+    async def _renamed_legacy(self, session_id: str) -> bool:
+        """Whether a session stored under the untagged keys of an older version was renamed to
+        today's (never on a Cluster, which no older version used)."""
+        if self.topology is Topology.CLUSTER:
+            return False
+        try:
+            return bool(await self._rename_legacy(keys=[*_legacy_keys(session_id), *_keys(session_id)]))
+        except REDIS_ERRORS as exc:
+            raise self._unavailable(exc) from exc
 
     # ---- this coordinator's liveness, which its leases last no longer than --------------------
 
@@ -192,7 +234,7 @@ class RedisSessionStore:
             await asyncio.sleep(self.holder_ttl_ms / 3000)
             try:
                 await self._announce()
-            except RedisError as exc:  # this coordinator's liveness key lapses meanwhile
+            except REDIS_ERRORS as exc:  # this coordinator's liveness key lapses meanwhile
                 self.reachability.failed(exc)
 
     async def _start_announcing(self) -> None:
@@ -207,12 +249,12 @@ class RedisSessionStore:
         meta_key, _, lease_key = _keys(session_id)
         lease_id = f"{self.holder_id}:{uuid.uuid4().hex}"
         try:
-            if not await self.client.exists(meta_key):
+            if not await self.client.exists(meta_key) and not await self._renamed_legacy(session_id):
                 raise not_found_error(session_id)
             await self._start_announcing()
             if not await self.client.set(lease_key, lease_id, nx=True, px=self.lease_ttl_ms):
                 await self._take_over_or_busy(session_id, lease_key, lease_id)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self._unavailable(exc) from exc
         lease = Lease(session_id, lease_id, SessionRecord(session_id))
         try:
@@ -264,26 +306,32 @@ class RedisSessionStore:
 
     async def save(self, record: SessionRecord, lease: Lease) -> None:
         check_lease(record, lease)
-        new_tokens = record.token_ids[record.stored_len:]
+        keys = list(_keys(record.session_id))
+        args = [lease.lease_id, record.stored_len, self.ttl_ms, self.lease_ttl_ms,
+                json.dumps(self._meta(record)), *record.token_ids[record.stored_len:]]
+        acked = None
         try:
-            result = await self._save(
-                keys=list(_keys(record.session_id)),
-                args=[lease.lease_id, record.stored_len, self.ttl_ms, self.lease_ttl_ms,
-                      json.dumps(self._meta(record)), *new_tokens])
-        except RedisError as exc:
+            if self.durability.waits:
+                result, acked = await eval_and_wait(self.client, self.topology, SAVE_SCRIPT, keys, args,
+                                                    self.durability.replicas, self.durability.timeout_ms)
+            else:
+                result = await self._save(keys=keys, args=args)
+        except REDIS_ERRORS as exc:
             raise self._unavailable(exc) from exc
         self.reachability.answered()
         self._lease_lost(record.session_id, result)
         if result == -3:
             raise FailedPrecondition(
                 f"session {record.session_id!r} was changed by another writer; reload it and retry")
-        record.stored_len = int(result)
+        record.stored_len = int(result)  # the primary holds them (whether its replicas do or not)
+        if acked is not None and acked < self.durability.replicas:
+            raise Unavailable(short_error(acked, self.durability))
 
     async def renew(self, lease: Lease) -> None:
         try:
             result = await self._renew(keys=list(_keys(lease.session_id)),
                                        args=[lease.lease_id, self.lease_ttl_ms])
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self._unavailable(exc) from exc
         self._lease_lost(lease.session_id, result)
 
@@ -293,7 +341,7 @@ class RedisSessionStore:
         is back rather than a lease's lifetime later."""
         try:
             await self._release_now(lease)
-        except RedisError:
+        except REDIS_ERRORS:
             task = asyncio.create_task(self._release_when_back(lease))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -306,14 +354,14 @@ class RedisSessionStore:
         give_up = time.monotonic() + self.lease_ttl_ms / 1000
         while time.monotonic() < give_up:
             await asyncio.sleep(RELEASE_RETRY_S)
-            with contextlib.suppress(RedisError):
+            with contextlib.suppress(*REDIS_ERRORS):
                 await self._release_now(lease)
                 return
 
     async def delete(self, session_id: str) -> bool:
         try:
             return bool(await self.client.delete(*_keys(session_id)))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
     async def close(self) -> None:
@@ -324,6 +372,6 @@ class RedisSessionStore:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._announcer is not None:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            with contextlib.suppress(*REDIS_ERRORS, OSError, TimeoutError):
                 await asyncio.wait_for(self.client.delete(HOLDER_PREFIX + self.holder_id), 1.0)
         await self.client.aclose()

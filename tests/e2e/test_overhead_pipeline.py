@@ -17,6 +17,7 @@ import grpc
 import pytest
 import redis
 
+from coordinator.sessions.redis_store import session_keys
 from specdec.v1 import common_pb2
 from tests.cluster import Cluster, generate_request
 from tests.spies import RequestRecorder
@@ -86,7 +87,7 @@ def slow_store(redis_url):
 
 
 def _tokens_key(session_id: str) -> str:
-    return f"specdec:session:{session_id}:tokens"
+    return session_keys(session_id)[1]
 
 
 @pytest.mark.parametrize("gamma", [2, 0])
@@ -131,7 +132,7 @@ def test_lease_lost_mid_stream_ends_it_with_nothing_unstored_and_no_call_left(mo
             for i, chunk in enumerate(stream):
                 streamed += chunk.token_ids
                 if i == 1:  # another request takes the session over
-                    direct.set(f"specdec:session:{chunk.session_id}:lease", "another-request")
+                    direct.set(session_keys(chunk.session_id)[2], "another-request")
                     sid = chunk.session_id
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
         assert "taken over" in info.value.details()

@@ -18,6 +18,7 @@ import grpc
 import redis
 import torch
 
+from coordinator.sessions.redis_store import session_keys
 from specdec.runtime.loader import load_model
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
@@ -48,7 +49,7 @@ def test_two_coordinators_racing_on_one_session(small_vocab_models, redis_url):
         def thief() -> None:
             client = redis.Redis.from_url(redis_url)
             while not done.wait(0.1):
-                client.delete(f"specdec:session:{sid}:lease")
+                client.delete(session_keys(sid)[2])
 
         def worker(coordinator: Coordinator, ids: list[int]) -> None:
             while not done.is_set():

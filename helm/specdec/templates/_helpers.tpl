@@ -131,6 +131,9 @@ the override where set (coordinator, draft and target pass .Values.image, redis 
 {{- fail (printf "%s.kvChunks.store needs a Redis: redis.enabled, or redis.external.url" $tier) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.redis.enabled (ne .Values.redis.sessionDurability "none") }}
+{{- fail (printf "redis.sessionDurability %s needs a Redis with replicas: the in-chart Redis is a single primary; use redis.external (Sentinel or Cluster) or sessionDurability none" .Values.redis.sessionDurability) }}
+{{- end }}
 {{- if and .Values.redis.enabled .Values.redis.external.url }}
 {{- fail "redis.enabled and redis.external.url are both set: pick the in-chart Redis or the external one" }}
 {{- end }}
