@@ -15,9 +15,9 @@ from specdec.runtime.graph import ranks
 from specdec.tokenizer import ModelLoadError
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
-from tests.test_e2e_greedy import reference
-from tests.test_kv_tier import history
-from tests.test_sources import target_only
+from tests.e2e.test_e2e_greedy import reference
+from tests.service.test_kv_tier import history
+from tests.e2e.test_sources import target_only
 
 GRAPH = {"backend": "graph", "kv_cache_bytes": 8 << 20}
 PROMPTS = ["def fibonacci(n):", "The quick brown fox"]
