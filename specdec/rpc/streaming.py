@@ -13,6 +13,15 @@ yields each answer as it completes, in whatever order that is. Client side, `Cal
 one stream per client, a writer task and a reader task resolving each call's future; a broken
 stream fails its calls in flight with the stream's status (UNAVAILABLE when the server went
 away) and the next call opens a new one.
+
+A call may have an idle limit: the longest it may go without its answer or a progress message;
+its deadline then counts from its start and again from each progress message (without one, the
+deadline is a fixed budget: a Propose's). The server
+sends one after each chunk of a long input (specdec/progress.py), so a long call that is
+working is never given up for being long, while a service that stopped answering (a stopped
+process, a hung forward) is given up within the idle limit. A server that does not announce
+progress (an older one) is held to the deadline only. Both fail the call with
+DEADLINE_EXCEEDED, saying which limit it hit.
 """
 
 from __future__ import annotations
@@ -22,11 +31,12 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from specdec import errors
+from specdec import errors, progress
 from specdec.rpc.status import code_for, trailers_for
 from specdec.v1 import common_pb2
 
@@ -37,6 +47,8 @@ STREAM_SUFFIX = "Stream"  # ProposeStream carries Propose calls, VerifyStream Ve
 # a server that refuses the stream (an older one: UNIMPLEMENTED) is told apart for certain (a
 # write racing the refusal would fail locally and hide the server's status).
 READY_METADATA = (("specdec-call-stream", "1"),)
+# ... and this one too when it sends progress messages for long calls (older servers do not)
+PROGRESS_METADATA = ("specdec-call-progress", "1")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _READ_DONE = object()
 
@@ -98,12 +110,14 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
     its own task; yield the answers as they complete. A call's error is its answer only. When
     the client stops sending, the stream ends once the calls in flight are answered; when it
     goes away (this generator is cancelled or closed), the calls in flight are cancelled."""
-    await context.send_initial_metadata(READY_METADATA)
+    await context.send_initial_metadata(READY_METADATA + (PROGRESS_METADATA,))
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
 
     async def one(call_id: int, request: Any, deadline: float | None) -> None:
+        progress.reporting_to(lambda done, total: answers.put_nowait(response_type(
+            call_id=call_id, progress=common_pb2.StreamCallProgress(tokens_done=done, tokens_total=total))))
         try:
             answer = response_type(call_id=call_id, response=await run(request, deadline))
         except errors.SpecdecError as exc:
@@ -137,7 +151,8 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
                 if failure is not None:
                     raise failure
                 continue
-            outstanding -= 1
+            if item.WhichOneof("outcome") != "progress":
+                outstanding -= 1
             yield item
     finally:
         reader.cancel()
@@ -160,10 +175,33 @@ def _deadline_exceeded() -> "CallStatus":
     return CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
-def _expire(future: asyncio.Future) -> None:
-    """A streamed call's deadline passed: it fails as a unary call would (DEADLINE_EXCEEDED)."""
-    if not future.done():
-        future.set_exception(_deadline_exceeded())
+def overran(ran_s: float, limit_s: float) -> str:
+    """What a call that hit its deadline says: how long it ran against its limit."""
+    return f"ran {ran_s:.1f} s, limit {limit_s:.1f} s"
+
+
+def went_silent(silent_s: float, ran_s: float, done: int, total: int) -> str:
+    """What a call that got neither its answer nor progress within its idle limit says."""
+    work = f"; {done:,} of {total:,} tokens done" if total else "; no progress reported"
+    return f"no answer and no progress for {silent_s:.1f} s (the service stopped answering?) after {ran_s:.1f} s{work}"
+
+
+@dataclass
+class _Call:
+    """A call in flight on a stream: its future and what its limits are counted from (loop times)."""
+
+    future: asyncio.Future
+    started: float
+    deadline: float  # the ceiling on its run: its window from its start, or from its last progress
+    window: float
+    idle_s: float | None  # the longest it may go without an answer or progress (None: no limit)
+    heard: float  # when it last made progress (its start until it has)
+    done: int = 0
+    total: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+_EARLY_S = 1e-3  # a timer may fire up to the loop's clock resolution early
 
 
 class StreamUnsupported(Exception):
@@ -175,9 +213,10 @@ class _Stream:
 
     def __init__(self, call: Any):
         self.call = call
-        self.pending: dict[int, asyncio.Future] = {}
+        self.pending: dict[int, _Call] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+        self.reports_progress: bool | None = None  # None until the server accepted the stream
 
 
 class CallStream:
@@ -193,16 +232,22 @@ class CallStream:
         self._ids = itertools.count(1)
         self.unsupported = False  # the server answered UNIMPLEMENTED: unary from now on
 
-    async def call(self, request: Any, timeout_s: float, wait_for_ready: bool) -> Any:
+    async def call(self, request: Any, timeout_s: float, wait_for_ready: bool,
+                   idle_s: float | None = None) -> Any:
         """The unary response to `request`; a failure raises what the unary call would
         (a grpc.RpcError: its code, details and trailing metadata), StreamUnsupported when the
-        server has no stream method. After timeout_s: DEADLINE_EXCEEDED, like a unary call."""
+        server has no stream method. After timeout_s, or idle_s without an answer or progress
+        (from a server that reports progress, or has not yet accepted the stream):
+        DEADLINE_EXCEEDED, like a unary call, saying which. With idle_s, timeout_s counts again
+        from each progress message (a working call is never given up for being long); without,
+        it is a fixed budget."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        started = loop.time()
+        deadline = started + timeout_s
         call_id = next(self._ids)
         future = loop.create_future()
         stream: _Stream | None = None
-        expiry = None
+        state = None
         try:
             if wait_for_ready and self._stream is None:
                 try:
@@ -211,15 +256,15 @@ class CallStream:
                 except TimeoutError:
                     raise _deadline_exceeded() from None
             stream = self._current()
-            stream.pending[call_id] = future
-            # the deadline fails the future itself: cheaper per call than a timeout scope
-            expiry = loop.call_at(deadline, _expire, future)
+            state = stream.pending[call_id] = _Call(future, started, deadline, timeout_s, idle_s, loop.time())
+            # the limits fail the future themselves: cheaper per call than a timeout scope
+            _watch(stream, state)
             stream.outbox.put_nowait(self._request_type(
-                call_id=call_id, request=request, timeout_ms=_millis(timeout_s)))
+                call_id=call_id, request=request, timeout_ms=_millis(deadline - loop.time())))
             return await future
         finally:
-            if expiry is not None:
-                expiry.cancel()
+            if state is not None and state.timer is not None:
+                state.timer.cancel()
             if stream is not None:
                 stream.pending.pop(call_id, None)  # a late answer is dropped
 
@@ -234,10 +279,11 @@ class CallStream:
         """Send the queued calls in order (one write at a time, as gRPC requires; a caller that
         is cancelled never leaves a write half done), once the server has accepted the stream."""
         try:
-            metadata = await stream.call.initial_metadata()
-            if not set(READY_METADATA) <= set(metadata or ()):
+            metadata = set(await stream.call.initial_metadata() or ())
+            if not set(READY_METADATA) <= metadata:
                 await stream.call.code()  # refused (UNIMPLEMENTED ...): the reader reports it
                 return
+            stream.reports_progress = PROGRESS_METADATA in metadata
             while True:
                 await stream.call.write(await stream.outbox.get())
         except asyncio.CancelledError:
@@ -254,13 +300,17 @@ class CallStream:
                 if response is grpc.aio.EOF:
                     self._break(stream, CallStatus(grpc.StatusCode.UNAVAILABLE, "the call stream ended"))
                     return
-                future = stream.pending.pop(response.call_id, None)
-                if future is None or future.done():
+                outcome = response.WhichOneof("outcome")
+                if outcome == "progress":
+                    _heard(stream.pending.get(response.call_id), response.progress)
+                    continue
+                state = stream.pending.pop(response.call_id, None)
+                if state is None or state.future.done():
                     continue  # its caller gave up
-                if response.WhichOneof("outcome") == "error":
-                    future.set_exception(CallStatus.from_pb(response.error))
+                if outcome == "error":
+                    state.future.set_exception(CallStatus.from_pb(response.error))
                 else:
-                    future.set_result(response.response)
+                    state.future.set_result(response.response)
         except asyncio.CancelledError:
             self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, "the client was closed"))
             raise
@@ -280,9 +330,9 @@ class CallStream:
         if self._stream is stream:
             self._stream = None
         stream.call.cancel()
-        for future in stream.pending.values():
-            if not future.done():
-                future.set_exception(error)
+        for state in stream.pending.values():
+            if not state.future.done():
+                state.future.set_exception(error)
         stream.pending.clear()
         for task in stream.tasks:
             if task is not asyncio.current_task():
@@ -293,3 +343,35 @@ class CallStream:
         if stream is not None:
             self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, "the client was closed"))
             await asyncio.gather(*stream.tasks, return_exceptions=True)
+
+
+# ---- a call's limits --------------------------------------------------------------------------
+
+def _heard(state: _Call | None, report: common_pb2.StreamCallProgress) -> None:
+    """A progress message for a call: a call with an idle limit counts it from now, and gets its
+    whole window again (as the server counts it: specdec/runtime/calls.py)."""
+    if state is not None:
+        state.heard = asyncio.get_running_loop().time()
+        if state.idle_s is not None:
+            state.deadline = max(state.deadline, state.heard + state.window)
+        state.done, state.total = report.tokens_done, report.tokens_total
+
+
+def _watch(stream: _Stream, state: _Call) -> None:
+    """Fail the call when it passes its ceiling, or its idle limit where that applies; else check
+    again when the nearer of the two could pass (progress moves the idle one on)."""
+    if state.future.done():
+        return
+    loop = asyncio.get_running_loop()
+    now = loop.time() + _EARLY_S
+    idle = state.idle_s is not None and stream.reports_progress is not False
+    if idle and now - state.heard >= state.idle_s:
+        state.future.set_exception(CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, went_silent(
+            now - state.heard, now - state.started, state.done, state.total)))
+        return
+    if now >= state.deadline:
+        state.future.set_exception(CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, overran(
+            now - state.started, state.window)))
+        return
+    at = min(state.deadline, state.heard + state.idle_s) if idle else state.deadline
+    state.timer = loop.call_at(at, _watch, stream, state)
