@@ -14,14 +14,16 @@ one stream per client, a writer task and a reader task resolving each call's fut
 stream fails its calls in flight with the stream's status (UNAVAILABLE when the server went
 away) and the next call opens a new one.
 
-A call may have an idle limit: the longest it may go without its answer or a progress message;
-its deadline then counts from its start and again from each progress message (without one, the
-deadline is a fixed budget: a Propose's). The server
-sends one after each chunk of a long input (specdec/progress.py), so a long call that is
-working is never given up for being long, while a service that stopped answering (a stopped
-process, a hung forward) is given up within the idle limit. A server that does not announce
-progress (an older one) is held to the deadline only. Both fail the call with
-DEADLINE_EXCEEDED, saying which limit it hit.
+A call may have an idle limit: the longest it may go without its answer or a progress message.
+The server sends one after each chunk of a long input (specdec/progress.py) and, as a
+heartbeat, every `heartbeat_ms` the call asks for while it runs (from its event loop, which
+answers while the model works): a call that is working, however slowly, keeps hearing from it,
+while a service that stopped answering (a stopped process, a forward that holds the
+interpreter) goes silent and is given up within the idle limit. The deadline of a call with an
+idle limit counts from its start and again from each chunk it finished (without one, the
+deadline is a fixed budget: a Propose's). A server that does not announce progress (an older
+one) is held to the deadline only. Both fail the call with DEADLINE_EXCEEDED, saying which
+limit it hit.
 """
 
 from __future__ import annotations
@@ -115,9 +117,15 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
     answers: asyncio.Queue = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
 
-    async def one(call_id: int, request: Any, deadline: float | None) -> None:
-        progress.reporting_to(lambda done, total: answers.put_nowait(response_type(
-            call_id=call_id, progress=common_pb2.StreamCallProgress(tokens_done=done, tokens_total=total))))
+    async def one(call_id: int, request: Any, deadline: float | None, heartbeat_s: float) -> None:
+        report = common_pb2.StreamCallProgress()
+
+        def send(done: int, total: int) -> None:
+            report.tokens_done, report.tokens_total = done, total
+            answers.put_nowait(response_type(call_id=call_id, progress=report))
+
+        progress.reporting_to(send)
+        beating = loop.create_task(_beat(heartbeat_s, lambda: send(report.tokens_done, report.tokens_total)))
         try:
             answer = response_type(call_id=call_id, response=await run(request, deadline))
         except errors.SpecdecError as exc:
@@ -125,6 +133,8 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
         except Exception as exc:  # a bug: INTERNAL for this call, as a unary handler's would be
             log.exception("streamed call %d failed", call_id)
             answer = response_type(call_id=call_id, error=error_to_pb(exc))
+        finally:
+            beating.cancel()
         answers.put_nowait(answer)  # exactly one answer per call (unless cancelled)
 
     reading, outstanding, failure = True, 0, None
@@ -133,7 +143,7 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
         nonlocal outstanding, failure
         try:
             async for item in requests:
-                task = loop.create_task(one(item.call_id, item.request, deadline_of(item)))
+                task = loop.create_task(one(item.call_id, item.request, deadline_of(item), item.heartbeat_ms / 1000))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 outstanding += 1
@@ -160,6 +170,15 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
             task.cancel()
 
 
+async def _beat(every_s: float, beat: Callable[[], None]) -> None:
+    """Call beat() every every_s seconds until cancelled (never when every_s is 0)."""
+    if every_s <= 0:
+        return
+    while True:
+        await asyncio.sleep(every_s)
+        beat()
+
+
 # ---- client side ------------------------------------------------------------------------------
 
 def _millis(timeout_s: float) -> int:
@@ -175,15 +194,20 @@ def _deadline_exceeded() -> "CallStatus":
     return CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
-def overran(ran_s: float, limit_s: float) -> str:
-    """What a call that hit its deadline says: how long it ran against its limit."""
-    return f"ran {ran_s:.1f} s, limit {limit_s:.1f} s"
+def overran(ran_s: float, limit_s: float, done: int = 0, total: int = 0) -> str:
+    """What a call that hit its deadline says: how long it ran against its limit (and how far
+    its input got, when it reported that)."""
+    return f"ran {ran_s:.1f} s, limit {limit_s:.1f} s" + _how_far(done, total)
 
 
 def went_silent(silent_s: float, ran_s: float, done: int, total: int) -> str:
-    """What a call that got neither its answer nor progress within its idle limit says."""
-    work = f"; {done:,} of {total:,} tokens done" if total else "; no progress reported"
-    return f"no answer and no progress for {silent_s:.1f} s (the service stopped answering?) after {ran_s:.1f} s{work}"
+    """What a call that got neither its answer nor a progress message within its idle limit says."""
+    return (f"no answer and no progress message for {silent_s:.1f} s (the service stopped "
+            f"answering) after {ran_s:.1f} s" + _how_far(done, total))
+
+
+def _how_far(done: int, total: int) -> str:
+    return f"; {done:,} of {total:,} tokens done" if total else ""
 
 
 @dataclass
@@ -195,13 +219,14 @@ class _Call:
     deadline: float  # the ceiling on its run: its window from its start, or from its last progress
     window: float
     idle_s: float | None  # the longest it may go without an answer or progress (None: no limit)
-    heard: float  # when it last made progress (its start until it has)
+    heard: float  # when it last heard from the service (its start until it has)
     done: int = 0
     total: int = 0
     timer: asyncio.TimerHandle | None = None
 
 
 _EARLY_S = 1e-3  # a timer may fire up to the loop's clock resolution early
+HEARTBEAT_SHARE = 0.25  # a call with an idle limit asks for a heartbeat 4 times within it
 
 
 class StreamUnsupported(Exception):
@@ -236,11 +261,11 @@ class CallStream:
                    idle_s: float | None = None) -> Any:
         """The unary response to `request`; a failure raises what the unary call would
         (a grpc.RpcError: its code, details and trailing metadata), StreamUnsupported when the
-        server has no stream method. After timeout_s, or idle_s without an answer or progress
-        (from a server that reports progress, or has not yet accepted the stream):
-        DEADLINE_EXCEEDED, like a unary call, saying which. With idle_s, timeout_s counts again
-        from each progress message (a working call is never given up for being long); without,
-        it is a fixed budget."""
+        server has no stream method. After timeout_s, or idle_s without an answer or a progress
+        message (from a server that reports progress, or has not yet accepted the stream; the
+        call asks it for a heartbeat within idle_s): DEADLINE_EXCEEDED, like a unary call, saying
+        which. With idle_s, timeout_s counts again from each chunk the call finished (a working
+        call is never given up for being long); without, it is a fixed budget."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeout_s
@@ -260,7 +285,8 @@ class CallStream:
             # the limits fail the future themselves: cheaper per call than a timeout scope
             _watch(stream, state)
             stream.outbox.put_nowait(self._request_type(
-                call_id=call_id, request=request, timeout_ms=_millis(deadline - loop.time())))
+                call_id=call_id, request=request, timeout_ms=_millis(deadline - loop.time()),
+                heartbeat_ms=0 if idle_s is None else _millis(idle_s * HEARTBEAT_SHARE)))
             return await future
         finally:
             if state is not None and state.timer is not None:
@@ -348,11 +374,12 @@ class CallStream:
 # ---- a call's limits --------------------------------------------------------------------------
 
 def _heard(state: _Call | None, report: common_pb2.StreamCallProgress) -> None:
-    """A progress message for a call: a call with an idle limit counts it from now, and gets its
-    whole window again (as the server counts it: specdec/runtime/calls.py)."""
+    """A progress message for a call: its idle limit counts from now; a call with an idle limit
+    whose input got further gets its whole window again (as the server counts it:
+    specdec/runtime/calls.py)."""
     if state is not None:
         state.heard = asyncio.get_running_loop().time()
-        if state.idle_s is not None:
+        if state.idle_s is not None and report.tokens_done > state.done:
             state.deadline = max(state.deadline, state.heard + state.window)
         state.done, state.total = report.tokens_done, report.tokens_total
 
@@ -371,7 +398,7 @@ def _watch(stream: _Stream, state: _Call) -> None:
         return
     if now >= state.deadline:
         state.future.set_exception(CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, overran(
-            now - state.started, state.window)))
+            now - state.started, state.window, state.done, state.total)))
         return
     at = min(state.deadline, state.heard + state.idle_s) if idle else state.deadline
     state.timer = loop.call_at(at, _watch, stream, state)

@@ -62,6 +62,7 @@ async def run_call(scheduler: BatchScheduler, runner: ModelRunner, call: C, dead
                             deadline=deadline)
     sequence = held + array("i", call.new_tokens)
     upto = len(sequence) - 1  # the last token runs with the final step, for its logits
+    progress.report(len(held), upto)
     for attempt in range(PREFILL_ATTEMPTS):
         while True:
             length, prefix_hash = await worker.run(runner.prefill_step, call.session_id, sequence, upto,

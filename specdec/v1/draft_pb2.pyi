@@ -64,14 +64,16 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., num_hint_tokens_kept: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeStreamRequest(_message.Message):
-    __slots__ = ("call_id", "request", "timeout_ms")
+    __slots__ = ("call_id", "request", "timeout_ms", "heartbeat_ms")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     request: ProposeRequest
     timeout_ms: int
-    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class ProposeStreamResponse(_message.Message):
     __slots__ = ("call_id", "response", "error", "progress")

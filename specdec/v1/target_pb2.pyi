@@ -70,14 +70,16 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., accept_probs: _Optional[_Iterable[float]] = ..., cached_len: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., head_proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyStreamRequest(_message.Message):
-    __slots__ = ("call_id", "request", "timeout_ms")
+    __slots__ = ("call_id", "request", "timeout_ms", "heartbeat_ms")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     request: VerifyRequest
     timeout_ms: int
-    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class VerifyStreamResponse(_message.Message):
     __slots__ = ("call_id", "response", "error", "progress")
