@@ -224,9 +224,10 @@ class CoordinatorConfig(ServerTlsConfig):
                                "chunk of a long prefill). A call with more input (a long prompt, a "
                                "session restored after a restart) gets this per 512 tokens, or 3x "
                                "what the replica's measured pace says, whichever is longer, counted "
-                               "again from each progress report of a streamed call; a call that "
-                               "hears neither its answer nor progress for this long is given up "
-                               "(a stopped service)")
+                               "again from each prefill chunk a streamed call finished; a streamed "
+                               "call that hears neither its answer nor a progress message (the "
+                               "service sends a heartbeat while it works) for this long is given "
+                               "up (a stopped service)")
     rpc_transport: str = opt("stream", "how Propose and Verify travel: stream (multiplexed on one "
                              "long-lived gRPC stream per replica: less per-call overhead; a replica "
                              "without it gets unary calls) or unary (one gRPC call each)",

@@ -8,9 +8,10 @@ tokens, or SAFETY times what the replica's own measured pace says its tokens tak
 longer: a slow replica is given the time its work needs, never abandoned for being long.
 
 What catches a replica that stopped answering is not that ceiling but a liveness limit that a
-long call does not block: on a call stream the service reports progress after each chunk, and
-a call that hears neither its answer nor progress for `--rpc-timeout-s` is given up
-(specdec/rpc/streaming.py). A replica whose call timed out is then health-checked, and counted
+long call does not block: on a call stream the service reports progress after each chunk and
+sends a heartbeat while the call runs, and a call that hears neither its answer nor a progress
+message for `--rpc-timeout-s` is given up (specdec/rpc/streaming.py); the deadline itself
+counts again from each chunk the call finished. A replica whose call timed out is then health-checked, and counted
 failed only when it does not answer (coordinator/session_calls.py).
 """
 
