@@ -35,6 +35,15 @@ def test_the_pace_follows_a_slower_call_at_once_and_a_faster_one_slowly():
     assert 0.01 < pace.seconds_per_token < 0.05
 
 
+def test_a_call_that_ran_out_of_time_gives_the_retry_the_time_that_pace_needs():
+    pace = Pace()
+    pace.overran(466.0)  # not one ordinary call's tokens in 466 s
+    assert pace.seconds_per_token == pytest.approx(466.0 / ORDINARY_CALL_TOKENS)
+    assert call_deadline_s(3975, pace.seconds_per_token, 60.0) == pytest.approx(SAFETY * 3975 * 466.0 / 512)
+    pace.overran(1.0)  # a short call's timeout never lowers it
+    assert pace.seconds_per_token == pytest.approx(466.0 / ORDINARY_CALL_TOKENS)
+
+
 def test_a_timeout_says_what_the_call_was_doing():
     assert describe_work("Verify", 3975) == "Verify: prefill of 3,975 tokens"
     assert describe_work("Verify", 3975, 3) == "Verify: prefill of 3,975 tokens and 3 drafts"

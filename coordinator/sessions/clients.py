@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from specdec.errors import CacheMiss, FailedPrecondition, SpecdecError
+from specdec.errors import CacheMiss, DeadlineExceeded, FailedPrecondition, SpecdecError
 from specdec.rpc.convert import dist_from_pb, dist_to_pb, logprobs_from_pb, model_info_from_pb, sampling_to_pb
 from specdec.rpc.security import name_override_options
 from specdec.rpc.server import channel_options
@@ -82,6 +82,8 @@ class ServiceClient:
                                       wait_for_ready, stream)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc, self.name, work)
+            if isinstance(error, DeadlineExceeded) and tokens:
+                self.pace.overran(time.monotonic() - started)  # a retry gets the time that needs
             if isinstance(error, CacheMiss):
                 raise CacheMiss(session_id, error.held, getattr(request, "prefix_len", -1)) from exc
             raise error from exc

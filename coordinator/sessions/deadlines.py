@@ -43,7 +43,9 @@ def describe_work(method: str, new_tokens: int, drafts: int = 0) -> str:
 class Pace:
     """A replica's measured seconds per input token, from its calls with at least PACE_MIN_TOKENS
     tokens (time waiting in its queue included). It follows a slower call at once and a faster
-    one slowly, so a replica that got loaded is given more time at its next call."""
+    one slowly, so a replica that got loaded is given more time at its next call. A call that ran
+    out of time says the replica is slower than one ordinary call's tokens in that time: the
+    retry is given the time that pace needs."""
 
     def __init__(self) -> None:
         self.seconds_per_token: float | None = None
@@ -54,3 +56,10 @@ class Pace:
         sample = seconds / tokens
         current = self.seconds_per_token
         self.seconds_per_token = sample if current is None or sample > current else 0.8 * current + 0.2 * sample
+
+    def overran(self, seconds: float) -> None:
+        """A call ran `seconds` without finishing (at most ORDINARY_CALL_TOKENS of its tokens
+        did in that time, or it would have reported them and been given more)."""
+        floor = seconds / ORDINARY_CALL_TOKENS
+        if self.seconds_per_token is None or self.seconds_per_token < floor:
+            self.seconds_per_token = floor
