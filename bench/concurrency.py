@@ -77,16 +77,16 @@ def pick_models(args) -> tuple[str, str, str]:
 def forward_costs(target: str, dtype: str, history: int, repeats: int) -> list[dict]:
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import load_model
-    from specdec.runtime.runner import ModelRunner
-    from specdec.runtime.session_runner import Row
+    from specdec.runtime.torch.engine import TorchEngine
+    from specdec.runtime.session_kv import Row
 
-    runner = ModelRunner(load_model(target, dtype), SessionCaches(1024, 1 << 40), 16)
+    engine = TorchEngine(load_model(target, dtype), SessionCaches(1024, 1 << 40), 16)
     rng = random.Random(0)
     entries = []
     for b in range(max(LEVELS)):
-        entry = runner.new_entry()
-        runner.caches.put(f"c{b}", entry)
-        runner.forward(f"c{b}", entry, [rng.randrange(1, 200) for _ in range(history)], 1)
+        entry = engine.new_entry()
+        engine.caches.put(f"c{b}", entry)
+        engine.forward(f"c{b}", entry, [rng.randrange(1, 200) for _ in range(history)], 1)
         entries.append(entry)
 
     configs = [(batch, tokens) for tokens in (1, 5) for batch in LEVELS]
@@ -96,7 +96,7 @@ def forward_costs(target: str, dtype: str, history: int, repeats: int) -> list[d
     for i in range(repeats + 2):  # interleaved, so a busy moment on a shared machine hits all alike
         for config in configs:
             t0 = time.perf_counter()
-            runner.forward_batch(rows[config])
+            engine.forward_batch(rows[config])
             seconds = time.perf_counter() - t0
             for row in rows[config]:
                 row.entry.crop(history)
@@ -106,7 +106,7 @@ def forward_costs(target: str, dtype: str, history: int, repeats: int) -> list[d
     out = [{"batch": batch, "tokens_per_row": tokens, "seconds": best[(batch, tokens)],
             "relative": best[(batch, tokens)] / base, "ceiling_speedup": batch * base / best[(batch, tokens)]}
            for batch, tokens in configs]
-    del runner
+    del engine
     return out
 
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specdec.config import TargetConfig  # noqa: E402
-from specdec.runtime.engines import llama_cpp_installed, runner_from_config  # noqa: E402
+from specdec.runtime.engines import llama_cpp_installed, engine_from_config  # noqa: E402
 from specdec.types import Quantization  # noqa: E402
 
 PROMPT_TOKENS = 64
@@ -59,13 +59,13 @@ def bandwidth_gbs(threads: int, gib: float = 1.0, repeats: int = 7) -> float:
     return data.numel() * 4 / best / 1e9
 
 
-def weight_bytes(runner) -> int:
+def weight_bytes(engine) -> int:
     """Bytes of weights one forward reads: a torch model's parameters and buffers but its input
     embeddings (a forward gathers a few rows of them) unless the head is that same tensor; or the
     GGUF's tensors."""
-    if hasattr(runner, "llama"):
-        return int(runner.llama.llama_model_size(runner.model))
-    model = runner.model
+    if hasattr(engine, "llama"):
+        return int(engine.llama.llama_model_size(engine.model))
+    model = engine.model
     embeddings = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)  # a packed or quantized head has none
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t is not embeddings or head is t]
@@ -78,33 +78,33 @@ def weight_bytes(runner) -> int:
     return total
 
 
-def session_prompt(runner, gamma: int) -> tuple[object, list[int]]:
-    """A session of PROMPT_TOKENS tokens begun on `runner` -> (its cache entry, those tokens and
+def session_prompt(engine, gamma: int) -> tuple[object, list[int]]:
+    """A session of PROMPT_TOKENS tokens begun on `engine` -> (its cache entry, those tokens and
     the γ+1 after them)."""
-    high = min(runner.embedding_size, runner.vocab_size) - 1
+    high = min(engine.embedding_size, engine.vocab_size) - 1
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, high, (PROMPT_TOKENS + gamma + 1,), generator=generator).tolist()
-    entry, feed = runner.begin("bench", 0, 0, prompt[:PROMPT_TOKENS])
-    runner.forward("bench", entry, feed, 1)
+    entry, feed = engine.begin("bench", 0, 0, prompt[:PROMPT_TOKENS])
+    engine.forward("bench", entry, feed, 1)
     return entry, prompt
 
 
-def time_steps(runners: list, gamma: int, repeats: int) -> list[tuple[float, float]]:
-    """Per runner, median seconds of one decode step (1 token) and one verification (γ+1 tokens)
+def time_steps(engines: list, gamma: int, repeats: int) -> list[tuple[float, float]]:
+    """Per engine, median seconds of one decode step (1 token) and one verification (γ+1 tokens)
     of a session holding PROMPT_TOKENS tokens; each rolled back after timing, the steps of all
-    runners interleaved within each repeat."""
-    sessions = [session_prompt(runner, gamma) for runner in runners]
-    steps, verifies = [[] for _ in runners], [[] for _ in runners]
+    engines interleaved within each repeat."""
+    sessions = [session_prompt(engine, gamma) for engine in engines]
+    steps, verifies = [[] for _ in engines], [[] for _ in engines]
     for _ in range(repeats + 1):  # the first of each warms up
-        for runner, (entry, prompt), step, verify in zip(runners, sessions, steps, verifies):
+        for engine, (entry, prompt), step, verify in zip(engines, sessions, steps, verifies):
             for tokens, sink in ((prompt[PROMPT_TOKENS:PROMPT_TOKENS + 1], step),
                                  (prompt[PROMPT_TOKENS:], verify)):
                 start = time.perf_counter()
-                runner.forward("bench", entry, tokens, len(tokens))
+                engine.forward("bench", entry, tokens, len(tokens))
                 sink.append(time.perf_counter() - start)
                 entry.crop(PROMPT_TOKENS)
-    for runner in runners:
-        runner.release("bench")
+    for engine in engines:
+        engine.release("bench")
     return [(statistics.median(s[1:]), statistics.median(v[1:])) for s, v in zip(steps, verifies)]
 
 
@@ -152,21 +152,21 @@ def load(row: dict, args):
                           else "float32", threads=args.threads, max_speculative_tokens=max(16, args.gamma + 1),
                           prepack=row["prepack"], quantize=row["quantize"] if row["backend"] == "torch"
                           else Quantization.NONE)
-    return runner_from_config(config)
+    return engine_from_config(config)
 
 
 def measure(group: list[dict], args) -> list[dict]:
     """Load every row of the group, time their steps interleaved, and release them."""
-    runners = [load(row, args) for row in group]
+    engines = [load(row, args) for row in group]
     torch.set_num_threads(args.threads)
-    times = time_steps(runners, args.gamma, args.repeats)
+    times = time_steps(engines, args.gamma, args.repeats)
     rows = []
-    for row, runner, (step, verify) in zip(group, runners, times):
-        size = weight_bytes(runner)
+    for row, engine, (step, verify) in zip(group, engines, times):
+        size = weight_bytes(engine)
         rows.append({**row, "weight_bytes": size, "decode_step_s": step, "verify_s": verify,
                      "decode_gbs": size / step / 1e9, "verify_gbs": size / verify / 1e9})
-        if hasattr(runner, "close"):
-            runner.close()
+        if hasattr(engine, "close"):
+            engine.close()
     return rows
 
 

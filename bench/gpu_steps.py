@@ -30,7 +30,7 @@ HF_PLAIN = "hf plain"  # report.py's name of HF generate, greedy, no assistant
 class Engine(StrEnum):
     """The engines whose steps are measured in-process (--backends)."""
 
-    TORCH = "torch"  # transformers' eager modules (specdec's ModelRunner)
+    TORCH = "torch"  # transformers' eager modules (specdec's TorchEngine)
     GRAPH = "graph"  # specdec/runtime/graph: static shapes, paged K/V, CUDA graphs where present
 
 
@@ -82,53 +82,53 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int, clock: Clock
 
 # ---- the engines, in-process ------------------------------------------------------------------
 
-class SessionEngine:
-    """One session on an engine's SessionRunner, the interface the services call: a decode step
+class EngineSession:
+    """One session on an engine's SessionKV, the interface the services call: a decode step
     or a verification is `forward` on a session's cache entry, rollback its `crop`."""
 
-    def __init__(self, name: str, runner: Any, details: dict):
+    def __init__(self, name: str, engine: Any, details: dict):
         self.name = name  # an Engine
-        self.runner = runner  # a specdec.runtime SessionRunner
+        self.engine = engine  # a specdec.runtime engine (its SessionKV half)
         self.details = details  # what the JSON reports about the engine (graphs captured ...)
         self.entry = None  # the session's cache entry once started
 
     @property
     def hf_model(self) -> Any:
         """The transformers model (the torch engine's; the graph engine consumed its own)."""
-        return self.runner.model if self.name == Engine.TORCH else None
+        return self.engine.model if self.name == Engine.TORCH else None
 
     def start(self, tokens: Sequence[int]) -> None:
-        self.entry, feed = self.runner.begin("bench", 0, 0, list(tokens))
-        self.runner.forward("bench", self.entry, feed, 1)
+        self.entry, feed = self.engine.begin("bench", 0, 0, list(tokens))
+        self.engine.forward("bench", self.entry, feed, 1)
 
     def step(self, tokens: Sequence[int]) -> None:
-        self.runner.forward("bench", self.entry, tokens, len(tokens))
+        self.engine.forward("bench", self.entry, tokens, len(tokens))
 
     def rollback(self, length: int) -> None:
         self.entry.crop(length)
 
     def close(self) -> None:
-        if hasattr(self.runner, "graph"):
-            self.details.update(replays=self.runner.graph.replays, eager_runs=self.runner.graph.eager_runs)
-        self.runner.release("bench")
+        if hasattr(self.engine, "graph"):
+            self.details.update(replays=self.engine.graph.replays, eager_runs=self.engine.graph.eager_runs)
+        self.engine.release("bench")
 
 
-def torch_engine(path: str, dtype: str, device: str) -> SessionEngine:
+def torch_engine(path: str, dtype: str, device: str) -> EngineSession:
     from specdec.config import TargetConfig
-    from specdec.runtime.engines import runner_from_config
+    from specdec.runtime.engines import engine_from_config
 
-    runner = runner_from_config(TargetConfig(model=path, backend=Engine.TORCH.value, dtype=dtype, device=device,
+    engine = engine_from_config(TargetConfig(model=path, backend=Engine.TORCH.value, dtype=dtype, device=device,
                                              max_speculative_tokens=64, prefix_cache_bytes=0))
-    return SessionEngine(Engine.TORCH, runner, {})
+    return EngineSession(Engine.TORCH, engine, {})
 
 
-def graph_engine(path: str, dtype: str, device: str, tokens: int) -> SessionEngine:
-    """The graph engine's runner (the services' --backend graph) with the buckets one session
+def graph_engine(path: str, dtype: str, device: str, tokens: int) -> EngineSession:
+    """The graph engine (the services' --backend graph) with the buckets one session
     needs: 1 session × 1..16 tokens over `tokens` of context, captured on CUDA (eager beyond them,
     and everywhere without CUDA)."""
     from specdec.runtime.graph.cuda_graphs import DECODE_AND_VERIFY_TOKENS, TREE_WINDOW, Buckets
     from specdec.runtime.graph.paged_kv import DEFAULT_BLOCK_SIZE
-    from specdec.runtime.graph.runner import PagedSessionRunner
+    from specdec.runtime.graph.engine import GraphEngine
     from specdec.runtime.loader import load_model
 
     blocks = -(-tokens // DEFAULT_BLOCK_SIZE)
@@ -136,16 +136,16 @@ def graph_engine(path: str, dtype: str, device: str, tokens: int) -> SessionEngi
     loaded = load_model(path, dtype, device)
     per_token = 2 * loaded.model.config.num_hidden_layers * loaded.model.config.num_key_value_heads * \
         (loaded.model.config.hidden_size // loaded.model.config.num_attention_heads) * loaded.dtype.itemsize
-    runner = PagedSessionRunner(loaded, 2, (blocks + 2) * DEFAULT_BLOCK_SIZE * per_token, 64,
-                                block_size=DEFAULT_BLOCK_SIZE, buckets=buckets)
+    engine = GraphEngine(loaded, 2, (blocks + 2) * DEFAULT_BLOCK_SIZE * per_token, 64,
+                         block_size=DEFAULT_BLOCK_SIZE, buckets=buckets)
     start = time.perf_counter()
-    graphs = runner.capture()
-    return SessionEngine(Engine.GRAPH, runner, {
+    graphs = engine.capture()
+    return EngineSession(Engine.GRAPH, engine, {
         "graphs_captured": graphs, "capture_s": time.perf_counter() - start,
-        "buckets": [[s.rows, s.tokens, s.blocks, s.window] for s in runner.graph.shapes]})
+        "buckets": [[s.rows, s.tokens, s.blocks, s.window] for s in engine.graph.shapes]})
 
 
-def open_engine(name: str, path: str, dtype: str, device: str, tokens: int) -> SessionEngine:
+def open_engine(name: str, path: str, dtype: str, device: str, tokens: int) -> EngineSession:
     return torch_engine(path, dtype, device) if name == Engine.TORCH else graph_engine(path, dtype, device, tokens)
 
 

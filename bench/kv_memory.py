@@ -6,9 +6,9 @@ Usage:
 
 Theory: layers x 2 (K and V) x num_key_value_heads x head_dim x dtype bytes per token, read
 from the model's config. The model is loaded and run through the services' own code path
-(specdec.runtime: load_model, ModelRunner, SessionCaches): each session is prefilled in
+(specdec.runtime: load_model, TorchEngine, SessionCaches): each session is prefilled in
 prefill_chunk steps, decodes --decode-steps tokens one at a time, then rolls back
---rollback tokens the way a rejected draft does (`ModelRunner.begin` with a shorter prefix).
+--rollback tokens the way a rejected draft does (`TorchEngine.begin` with a shorter prefix).
 Per session it reports the tokens held, the bytes the cache accounts for it (what
 specdec_kv_cache_bytes sums and the --kv-cache-bytes budget is checked against), the bytes its
 tensors' storages actually allocate, the theoretical bytes, and the ratios. Allocated above
@@ -85,32 +85,32 @@ def summarise(label: str, held: int, accounted: int, allocated: int, per_token: 
             "within_tolerance": bool(theory) and allocated <= (1 + TOLERANCE) * theory}
 
 
-# ---- running sessions through the runner ------------------------------------------------------
+# ---- running sessions through the engine ------------------------------------------------------
 
-def run_session(runner: Any, session_id: str, length: int, decode_steps: int, rollback: int,
+def run_session(engine: Any, session_id: str, length: int, decode_steps: int, rollback: int,
                 per_token: int, rng: random.Random) -> list[dict]:
     """Prefill `length` tokens, decode, roll back; a measurement after each phase."""
-    high = min(runner.vocab_size, runner.embedding_size)
+    high = min(engine.vocab_size, engine.embedding_size)
     sequence = [rng.randrange(1, high) for _ in range(length)]
     held = 0
     while held < length:  # the services' chunked prefill: one prefill_chunk per step
-        held, _ = runner.prefill_step(session_id, sequence, length)
-    entry = runner.caches.get(session_id)
-    out = [measure(runner, session_id, f"{length}: prefill", per_token)]
+        held, _ = engine.prefill_step(session_id, sequence, length)
+    entry = engine.caches.get(session_id)
+    out = [measure(engine, session_id, f"{length}: prefill", per_token)]
     for _ in range(decode_steps):
-        runner.forward(session_id, entry, [rng.randrange(1, high)], 1)
-        runner.finish(session_id)
-    out.append(measure(runner, session_id, f"{length}: +{decode_steps} decode", per_token))
+        engine.forward(session_id, entry, [rng.randrange(1, high)], 1)
+        engine.finish(session_id)
+    out.append(measure(engine, session_id, f"{length}: +{decode_steps} decode", per_token))
     keep = len(entry) - rollback
-    # a rejected draft: the next call assumes the shorter prefix and the runner crops to it
-    entry, _ = runner.begin(session_id, keep, entry.hashes.at(keep), [rng.randrange(1, high)])
-    runner.finish(session_id)
-    out.append(measure(runner, session_id, f"{length}: -{rollback} rollback", per_token))
+    # a rejected draft: the next call assumes the shorter prefix and the engine crops to it
+    entry, _ = engine.begin(session_id, keep, entry.hashes.at(keep), [rng.randrange(1, high)])
+    engine.finish(session_id)
+    out.append(measure(engine, session_id, f"{length}: -{rollback} rollback", per_token))
     return out
 
 
-def measure(runner: Any, session_id: str, label: str, per_token: int) -> dict:
-    entry = runner.caches.get(session_id)
+def measure(engine: Any, session_id: str, label: str, per_token: int) -> dict:
+    entry = engine.caches.get(session_id)
     return summarise(label, len(entry), entry.accounted, storage_bytes(cache_tensors(entry)), per_token)
 
 
@@ -118,27 +118,27 @@ def measure_model(model_dir: str, role: str, dtype: str, device: str, lengths: l
                   rollback: int) -> dict:
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import load_model
-    from specdec.runtime.runner import ModelRunner
+    from specdec.runtime.torch.engine import TorchEngine
 
     loaded = load_model(model_dir, dtype, device)
-    runner = ModelRunner(loaded, SessionCaches(1024, 1 << 62), 16)
+    engine = TorchEngine(loaded, SessionCaches(1024, 1 << 62), 16)
     geometry = kv_geometry(loaded.model.config)
     per_token = theoretical_bytes_per_token(**geometry, dtype_bytes=DTYPE_BYTES[dtype])
     rng = random.Random(0)
-    longest = runner.context_length - decode_steps - 1
+    longest = engine.context_length - decode_steps - 1
     rows: list[dict] = []
     skipped = [n for n in lengths if n > longest]
     sessions = [f"s{i}" for i, n in enumerate(lengths) if n <= longest]
     for session_id, length in zip(sessions, (n for n in lengths if n <= longest)):
-        rows.extend(run_session(runner, session_id, length, decode_steps, rollback, per_token, rng))
-    entries = [runner.caches.get(s) for s in sessions]
-    total = summarise("all sessions", sum(len(e) for e in entries), runner.caches.total_bytes(),
+        rows.extend(run_session(engine, session_id, length, decode_steps, rollback, per_token, rng))
+    entries = [engine.caches.get(s) for s in sessions]
+    total = summarise("all sessions", sum(len(e) for e in entries), engine.caches.total_bytes(),
                       sum(storage_bytes(cache_tensors(e)) for e in entries), per_token)
     return {"role": role, "model": model_dir, "dtype": dtype, "device": device, **geometry,
             "theoretical_bytes_per_token": per_token,
-            "runner_bytes_per_token": runner.kv_spec.bytes_per_token if runner.kv_spec else None,
-            "cache_kind": "buffer" if runner.kv_spec else "DynamicCache",
-            "context_length": runner.context_length, "skipped_lengths": skipped, "sessions": rows, "total": total}
+            "runner_bytes_per_token": engine.kv_spec.bytes_per_token if engine.kv_spec else None,
+            "cache_kind": "buffer" if engine.kv_spec else "DynamicCache",
+            "context_length": engine.context_length, "skipped_lengths": skipped, "sessions": rows, "total": total}
 
 
 def pick_models(args) -> tuple[list[tuple[str, str]], str]:
@@ -166,7 +166,7 @@ def table(models: list[dict]) -> str:
     for m in models:
         lines.append(f"\n{m['role']}: {m['model']} ({m['dtype']}, {m['cache_kind']}): {m['layers']} layers x 2 x "
                      f"{m['kv_heads']} kv heads x {m['head_dim']} head dim x {DTYPE_BYTES[m['dtype']]} B = "
-                     f"{m['theoretical_bytes_per_token']} B/token (runner: {m['runner_bytes_per_token']})")
+                     f"{m['theoretical_bytes_per_token']} B/token (engine: {m['runner_bytes_per_token']})")
         lines.append(f"{'session':<24} {'tokens':>7} {'accounted':>12} {'allocated':>12} {'theory':>12} "
                      f"{'acc/theory':>10} {'alloc/theory':>12} {'B/token':>9}")
         for row in m["sessions"] + [m["total"]]:

@@ -8,11 +8,11 @@ Usage:
 A decode step on a GPU that does not run as a captured graph costs a kernel launch per ATen
 operation and a stall per host synchronisation; both are counted here with the torch profiler
 while the services' own code runs in this process, without gRPC or the batch scheduler: the
-target's `specdec.runtime.verification.Verifier.verify_batch` and the draft's
-`specdec.runtime.drafting.ModelProposer.propose_batch` over `specdec.runtime.runner.ModelRunner`
+target's `specdec.runtime.verification.HostVerification.verify_batch` and the draft's
+`specdec.runtime.drafting.HostDrafting.propose_batch` over `specdec.runtime.torch.engine.TorchEngine`
 (the torch engine, its K/V buffers) — each engine's own per-round work, as its `drafting()` and
 `verification()` hand it to the services — and the same over the graph engine
-(`specdec.runtime.graph.runner.PagedSessionRunner`, eager on a CPU; its verification decides a
+(`specdec.runtime.graph.engine.GraphEngine`, eager on a CPU; its verification decides a
 batch's chains on the device), one session, one call at a time, each call one round of a
 session that grows by a token per round (--engines). The llama.cpp engine runs no torch
 operations and is not counted.
@@ -144,7 +144,7 @@ class HostCalls:
 def _blocking_upload(data: Any = None, *args: Any, device: Any = None, **kwargs: Any) -> bool:
     """torch.tensor / as_tensor of host data straight onto a device (`device=` given): from
     pageable memory, a copy that blocks the host. Host data made on the host (then copied from
-    pinned memory with non_blocking=True, as specdec.runtime.batch_cache.upload does on a GPU) is
+    pinned memory with non_blocking=True, as specdec.runtime.transfer.upload does on a GPU) is
     not counted, nor is a tensor given to them."""
     return device is not None and not isinstance(data, torch.Tensor)
 
@@ -208,24 +208,24 @@ def build_model(name: str, seed: int = 0) -> tuple[Any, dict]:
     return model, shape
 
 
-def make_runner(model: Any, engine: str = "torch") -> Any:
-    """The runner of `engine` (torch: the HF engine over K/V buffers; graph: the static-shape
-    model over the paged pool, eager on a CPU) over `model`, as runner_from_config builds it
+def make_engine(model: Any, backend: str = "torch") -> Any:
+    """The engine of `backend` (torch: the HF engine over K/V buffers; graph: the static-shape
+    model over the paged pool, eager on a CPU) over `model`, as engine_from_config builds it
     (no K/V tier)."""
     from specdec_cli import tiny
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import LoadedModel
-    from specdec.runtime.runner import ModelRunner
+    from specdec.runtime.torch.engine import TorchEngine
 
     loaded = LoadedModel(model, tiny.byte_level_tokenizer(), "bench", next(model.parameters()).dtype,
                          torch.device("cpu"))
-    if engine == "graph":
-        from specdec.runtime.graph.runner import PagedSessionRunner
+    if backend == "graph":
+        from specdec.runtime.graph.engine import GraphEngine
 
-        return PagedSessionRunner(loaded, 64, 1 << 30, 16, 512)
-    if engine != "torch":
-        raise SystemExit(f"bench/launches.py: no engine {engine!r}; choose torch or graph")
-    return ModelRunner(loaded, SessionCaches(64, 1 << 34), max_speculative_tokens=16)
+        return GraphEngine(loaded, 64, 1 << 30, 16, 512)
+    if backend != "torch":
+        raise SystemExit(f"bench/launches.py: no engine {backend!r}; choose torch or graph")
+    return TorchEngine(loaded, SessionCaches(64, 1 << 34), max_speculative_tokens=16)
 
 
 # ---- one session's rounds -----------------------------------------------------------------------
@@ -262,20 +262,20 @@ def tree_parents(nodes: int) -> tuple[int, ...]:
 class Rows:
     """The calls of each row on its own session, for one model at one history length."""
 
-    def __init__(self, runner: Any, history: int, seed: int = 0):
-        self.runner = runner
-        self.verifier = runner.verification()  # the engine's own per-round work, as the services run it
-        self.proposer = runner.drafting(32)
+    def __init__(self, engine: Any, history: int, seed: int = 0):
+        self.engine = engine
+        self.verifier = engine.verification()  # the engine's own per-round work, as the services run it
+        self.proposer = engine.drafting(32)
         self.history = history
-        self.high = min(runner.vocab_size, runner.embedding_size)
+        self.high = min(engine.vocab_size, engine.embedding_size)
         self.generator = torch.Generator().manual_seed(seed)
 
     def session(self, name: str) -> Session:
         """A new session whose history the service already holds (prefilled, not counted)."""
         session = Session(name, random_tokens(self.history, self.high, self.generator))
-        entry = self.runner.new_entry()
-        self.runner.caches.put(name, entry)
-        self.runner.forward(name, entry, session.held, 1)
+        entry = self.engine.new_entry()
+        self.engine.caches.put(name, entry)
+        self.engine.forward(name, entry, session.held, 1)
         return session
 
     def verify(self, session: Session, drafts: int, temperature: float = 0.0, tree: int = 0) -> Callable[[], Any]:
@@ -380,18 +380,18 @@ def run(models: list[str], histories: list[int], gammas: list[int], tree_nodes: 
     out: dict = {"engines": {engine: {"models": {}} for engine in engines}}
     for name in models:
         model, shape = build_model(name)
-        for engine in engines:
-            runner = make_runner(model, engine)
+        for backend in engines:
+            engine = make_engine(model, backend)
             by_history = {}
             for history in histories:
-                rows = Rows(runner, history)
+                rows = Rows(engine, history)
                 measured = {spec.name: measure_row(rows, spec, repeats) for spec in specs}
                 step = per_draft_step(measured[specs[0].name], measured[specs[1].name])
                 by_history[str(history)] = {"rows": {k: asdict(v) for k, v in measured.items()},
                                             "per_draft_step": step}
-                for session in list(runner.caches._entries):
-                    runner.release(session)
-            out["engines"][engine]["models"][name] = {"shape": shape, "histories": by_history}
+                for session in list(engine.caches._entries):
+                    engine.release(session)
+            out["engines"][backend]["models"][name] = {"shape": shape, "histories": by_history}
     return out
 
 

@@ -103,8 +103,8 @@ def serve(args) -> int:
         TargetServicer.verify = handlers.wrap_async(TargetServicer.verify)
     server, _, servicer = start(config(model=args.model, dtype=args.dtype, port=args.port))
     servicer.scheduler.run_batch = work.wrap(servicer.scheduler.run_batch)
-    runner = servicer.engine if args.serve == "draft" else servicer.engine
-    runner.model.forward = forwards.wrap(runner.model.forward)
+    engine = servicer.engine if args.serve == "draft" else servicer.engine
+    engine.model.forward = forwards.wrap(engine.model.forward)
     sys.stdin.read()
     Path(args.spans).write_text(json.dumps({"work": work.spans, "forwards": forwards.spans,
                                             "handlers": handlers.spans}))

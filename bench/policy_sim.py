@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.policy.estimates import CostModel  # noqa: E402
 from coordinator.policy.speculation import FixedCosts, Speculation  # noqa: E402
-from specdec.types import Proposer  # noqa: E402
+from specdec.types import Source  # noqa: E402
 
 ORDER = ("copy", "copy", "copy", "new", "new", "copy", "new")  # the sessions of one coordinator
 
@@ -49,23 +49,23 @@ def sloped_costs() -> CostModel:
     costs = CostModel(decay=1.0)
     for n in range(1, 10):
         costs.observe_verify(n, 0.24 + 0.015 * (n - 1))
-        costs.observe_propose(Proposer.DRAFT, n, 0.08 * n)
-        costs.observe_propose(Proposer.PROMPT_LOOKUP, n, 0.0001)
+        costs.observe_propose(Source.DRAFT, n, 0.08 * n)
+        costs.observe_propose(Source.PROMPT_LOOKUP, n, 0.0001)
     return costs
 
 
 def run_session(spec: Speculation, name: str, lookup_alpha, draft_alpha: float, rounds: int,
                 rng: random.Random) -> tuple[float, int]:
     """(tokens per plain-decode step of cost, lookup rounds) of one simulated session."""
-    request = spec.start(name, Proposer.AUTO, None)
+    request = spec.start(name, Source.AUTO, None)
     tokens = cost = 0.0
     lookups = 0
     for _ in range(rounds):
         order = rng.choice((1, 2, 3))
         choice = request.policy.choose(max_gamma=8, lookup_available=8, lookup_order=order)
-        request._order = order if choice.source == Proposer.PROMPT_LOOKUP else 0
-        alpha = lookup_alpha(order) if choice.source == Proposer.PROMPT_LOOKUP else draft_alpha
-        lookups += choice.source == Proposer.PROMPT_LOOKUP
+        request._order = order if choice.source == Source.PROMPT_LOOKUP else 0
+        alpha = lookup_alpha(order) if choice.source == Source.PROMPT_LOOKUP else draft_alpha
+        lookups += choice.source == Source.PROMPT_LOOKUP
         committed, spent = play_round(spec, request, choice, alpha, rng)
         tokens += committed
         cost += spent
@@ -89,7 +89,7 @@ def draft_only_session(spec: Speculation, name: str, alpha: float, tokens_wanted
                        rng: random.Random) -> tuple[float, int]:
     """(tokens per plain-decode step of cost, draft rounds) of one session that has the draft
     only (no lookup), run until it commits `tokens_wanted` tokens."""
-    request = spec.start(name, Proposer.AUTO, None)
+    request = spec.start(name, Source.AUTO, None)
     tokens = cost = 0.0
     drafted = 0
     while tokens < tokens_wanted:

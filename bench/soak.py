@@ -175,7 +175,7 @@ def in_flight_allowance(bytes_per_token: int, sessions: int, max_batch_size: int
     """The most a cache total can pass its budget while a call runs: the budget is applied after
     each call and never evicts that call's own sessions, so they may grow above it meanwhile. At
     most min(sessions, max batch) sessions share a call, each at most a full session's buffer."""
-    from specdec.runtime.kv_cache import grown_capacity
+    from specdec.runtime.torch.kv_buffers import grown_capacity
 
     return min(sessions, max_batch_size) * grown_capacity(0, MAX_SESSION_TOKENS + 6) * bytes_per_token
 

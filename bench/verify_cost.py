@@ -7,7 +7,7 @@ Usage:
 
 A tree verification costs one forward over its nodes, so where this curve is flat a round can
 verify a tree of several branches for the price of a chain. The target runs in this process on
-the engine the services use (specdec.runtime.runner.ModelRunner, its K/V buffers), each size as
+the engine the services use (specdec.runtime.torch.engine.TorchEngine, its K/V buffers), each size as
 a tree of that many nodes (two branches) after a --history-token session; sizes are interleaved
 over --repeats rounds and the median counts. With --heads, after each forward every heads
 directory (trained for this target) proposes 4 candidates a head from one hidden state, as a
@@ -68,21 +68,21 @@ def main() -> int:
     from bench.processes import model_pair
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import load_model
-    from specdec.runtime.runner import ModelRunner
-    from specdec.runtime.session_runner import Row
+    from specdec.runtime.torch.engine import TorchEngine
+    from specdec.runtime.session_kv import Row
     from specdec.maths.tree import TokenTree
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target = args.target_model or model_pair(args, "bench/verify_cost.py", context=4096, layers=4, width=64)[1]
     sizes = [int(s) for s in args.sizes.split(",")]
-    runner = ModelRunner(load_model(target, args.dtype), SessionCaches(4, 1 << 34), max(sizes))
-    vocab = min(runner.vocab_size, runner.embedding_size)
+    engine = TorchEngine(load_model(target, args.dtype), SessionCaches(4, 1 << 34), max(sizes))
+    vocab = min(engine.vocab_size, engine.embedding_size)
     history = [(7 * i) % (vocab - 1) + 1 for i in range(args.history)]
-    entry = runner.new_entry()
-    runner.forward("", entry, history, 1)
+    entry = engine.new_entry()
+    engine.forward("", entry, history, 1)
     heads = {directory: heads_of(target, args.dtype, directory) for directory in args.heads}
-    state = torch.randn(1, runner.model.config.hidden_size, dtype=runner.loaded.dtype)  # [1, hidden]
+    state = torch.randn(1, engine.model.config.hidden_size, dtype=engine.loaded.dtype)  # [1, hidden]
     times: dict[int, list[float]] = {n: [] for n in sizes}
     heads_times: dict[str, list[float]] = {directory: [] for directory in heads}
     for _ in range(args.repeats + 1):  # the first round warms up and is dropped
@@ -91,7 +91,7 @@ def main() -> int:
             row = Row("", entry, [history[-1], *tokens], n + 1, TokenTree(tokens, parents))
             entry.crop(len(history) - 1)
             started = time.perf_counter()
-            runner.forward_batch([row])
+            engine.forward_batch([row])
             times[n].append(time.perf_counter() - started)
             for directory, served in heads.items():
                 started = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 from specdec.config import CoordinatorConfig
 from specdec.errors import InvalidArgument
 from specdec.fields import Field
-from specdec.types import Proposer, SamplingParams, check_top_logprobs
+from specdec.types import Source, SamplingParams, check_top_logprobs
 
 from coordinator.chat import render_messages
 
@@ -34,7 +34,8 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None        # a fixed γ; None = adaptive
     stop: tuple[str, ...] = ()                       # stop strings (excluded from the output)
     ignore_eos: bool = False                         # keep going past end-of-sequence
-    proposer: Proposer | str | None = None           # None = the coordinator's default
+    proposer: Source | str | None = None             # None = the coordinator's default (the wire's and
+    #                                                  the flags' name for a request's Source)
     cache_salt: str = ""                             # mixed into the services' K/V chunk keys
     top_logprobs: int | None = None                  # None: no log-probabilities; N: each token's and N more
     tree_nodes: int = 0                              # draft rounds propose a tree of this many nodes (0: --trees, 1: chains)
@@ -42,15 +43,16 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class SpeculationMode:
-    """A request's speculation override: the proposer and a fixed γ (None = adaptive)."""
+    """A request's speculation override: its source (the request's `proposer`) and a fixed γ
+    (None = adaptive)."""
 
-    proposer: Proposer
+    source: Source
     fixed_gamma: int | None
 
 
 def request_limits(request: GenerationRequest, config: CoordinatorConfig,
                    max_gamma: int) -> tuple[int, SpeculationMode]:
-    """(max_new_tokens, proposer and fixed γ) after defaults, validated."""
+    """(max_new_tokens, source and fixed γ) after defaults, validated."""
     request.params.validate()
     max_new = request.max_new_tokens
     if max_new is None:
@@ -64,9 +66,9 @@ def request_limits(request: GenerationRequest, config: CoordinatorConfig,
             f"num_speculative_tokens must be in [0, {max_gamma}] (0 disables speculation; "
             f"leave it unset for adaptive γ), got {gamma}", Field.NUM_SPECULATIVE_TOKENS)
     name = request.proposer or config.default_proposer
-    if name not in tuple(Proposer):
+    if name not in tuple(Source):
         raise InvalidArgument(
-            f"proposer must be one of {', '.join(Proposer)} (PROPOSER_AUTO, PROPOSER_DRAFT, "
+            f"proposer must be one of {', '.join(Source)} (PROPOSER_AUTO, PROPOSER_DRAFT, "
             f"PROPOSER_NGRAM, PROPOSER_NONE, PROPOSER_HEADS), got {name!r}", Field.PROPOSER)
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
@@ -78,7 +80,7 @@ def request_limits(request: GenerationRequest, config: CoordinatorConfig,
                               Field.TREE_NODES)
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", Field.STOP)
-    return max_new, SpeculationMode(Proposer(name), gamma)
+    return max_new, SpeculationMode(Source(name), gamma)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from specdec.logtag import session_tag
 from specdec.metrics import Metrics
 from specdec.rng import RequestRng
 from specdec.maths.tree import TokenTree
-from specdec.types import CoreSharing, ModelDescription, Proposer, SamplingParams, TokenLogprobs, Trees
+from specdec.types import CoreSharing, ModelDescription, Source, SamplingParams, TokenLogprobs, Trees
 
 from coordinator.session_calls import SessionCalls
 from coordinator.sessions.lease_keeper import LeaseKeeper
@@ -31,17 +31,15 @@ from coordinator.policy.load_governor import LoadGovernor
 from coordinator.recording import Recorder
 from coordinator.sources.base import ProposalSource
 from coordinator.sources.draft_model import DraftModel, catch_up_tokens
-from coordinator.sources.heads import HeadsSource
+from coordinator.sources.heads_source import HeadsSource
 from coordinator.sources.none import NoProposals
 from coordinator.sources.prompt_lookup import PromptLookup
 from coordinator.request import GenerationRequest, InputEncoder, SpeculationMode, request_limits
 from coordinator.rounds import Chunk, FinishReason, RequestRun, Round, RoundResult, TokenTimes
 from coordinator.sessions.routing import Routes, model_fingerprint
-from coordinator.policy.heads_estimates import HeadsAtHand
-from coordinator.policy.session_policy import Horizon
-from coordinator.policy.speculation import NO_LOOKUP, RequestSpeculation, Speculation, is_governed
+from coordinator.policy.speculation import NO_LOOKUP, Offers, RequestSpeculation, Speculation, is_governed
 from coordinator.stats import GenerationStats
-from coordinator.sessions.store import Lease, SessionRecord, SessionStore
+from coordinator.sessions.session_store import Lease, SessionRecord, SessionStore
 from coordinator.streamed_text import StreamedText
 from coordinator.tasks import discard
 from coordinator.sessions.model_tiers import Tier, tiers_compete
@@ -89,8 +87,8 @@ class RoundLoop:
                                           CoreSharing(config.tiers_share_cores), draft_info, target_info))
         self.prompt_lookup = PromptLookup(config.ngram_max, config.ngram_max_tokens)
         self.heads = HeadsSource(config.head_candidates)
-        self.sources: dict[Proposer, ProposalSource] = {
-            source.proposer: source for source in (self.draft_model, self.prompt_lookup, self.heads, NoProposals())}
+        self.sources: dict[Source, ProposalSource] = {
+            source.kind: source for source in (self.draft_model, self.prompt_lookup, self.heads, NoProposals())}
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -140,9 +138,9 @@ class RoundLoop:
             raise ResourceExhausted(
                 f"{self.active} generations are running, the limit of this coordinator "
                 "(--max-concurrent-generations); retry in a second", retry_after_s=1.0)
-        if mode.proposer == Proposer.HEADS:
+        if mode.source == Source.HEADS:
             self._check_heads()
-        governed = is_governed(mode.proposer, mode.fixed_gamma)  # what the governor may switch
+        governed = is_governed(mode.source, mode.fixed_gamma)  # what the governor may switch
         times = TokenTimes(time.perf_counter())
         self.active += 1
         self.adaptive += governed
@@ -189,7 +187,7 @@ class RoundLoop:
         record.requests += 1
         self.routes.place(record)  # KV held by another replica (or none recorded) is worth nothing here
         await self.store.save(record, lease)
-        spec = self.speculation.start(record.session_id, mode.proposer, mode.fixed_gamma, request.tree_nodes,
+        spec = self.speculation.start(record.session_id, mode.source, mode.fixed_gamma, request.tree_nodes,
                                       self.draft_info.verifies_trees and self.target_info.verifies_trees,
                                       self.routes.drafts.model_of(record.draft.address))
         rng = RequestRng(request.seed)
@@ -283,7 +281,7 @@ class RoundLoop:
                      tree=result.tree, accepted_nodes=result.verdict.accepted_nodes,
                      lookup_nodes=result.lookup_nodes)
         if result.caught_up and result.call_seconds is not None:
-            spec.policy.costs.observe_catch_up(result.caught_up, result.plan.gamma, result.call_seconds)
+            spec.observe_catch_up(result.caught_up, result.plan.gamma, result.call_seconds)
 
     def _observe_latency(self, times: TokenTimes, chunk: Chunk) -> None:
         """A chunk leaves: the request's time to first token, and at its end its time per output token."""
@@ -301,8 +299,8 @@ class RoundLoop:
         if result.call_seconds is not None:  # the Propose call, answered or failed
             stages["draft"] = result.call_seconds
         stages["coordinator"] = max(0.0, now - result.started - sum(stages.values()))
-        self.metrics.record_round(result.source if proposed else Proposer.NONE, proposed, accepted, stages,
-                                  tree=bool(result.parents) and result.source == Proposer.DRAFT)
+        self.metrics.record_round(result.source if proposed else Source.NONE, proposed, accepted, stages,
+                                  tree=bool(result.parents) and result.source == Source.DRAFT)
 
     # ---- one round ----------------------------------------------------------------------------
 
@@ -321,37 +319,29 @@ class RoundLoop:
         if draft_model is not None and draft_model != spec.draft_model:  # its replica serves another model now
             self.speculation.use_draft_model(spec, draft_model)
         allowed = self.governor is None or self.governor.speculate(self.adaptive)
-        lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
-                  if spec.looks_up(cap, allowed) else NO_LOOKUP)
-        typical, heads = self._heads_at_hand(spec, record)
-        horizon = Horizon(tokens_left, catch_up_tokens(record, len(record.token_ids)), typical if heads is None else None)
-        plan = spec.plan(lookup, cap, draft_up, allowed, heads, horizon)
-        candidates = (self.heads.candidates if typical is not None
-                      and spec.policy.wants_heads(spec.mode, typical, cap, spec.load) else 0)
+        plan = spec.plan(self._offers(spec, record, cap, draft_up, allowed), cap, tokens_left, allowed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("session %s round: %s", session_tag(record.session_id), spec.describe(plan))
-        return Round(run, spec, plan, len(record.token_ids), cap, params, rng, seeds,
-                     draft_up, allowed, started, head_candidates=candidates)
+        return Round(run, spec, plan, len(record.token_ids), cap, params, rng, seeds, draft_up, allowed, started,
+                     head_candidates=self.heads.candidates if plan.read_heads else 0)
 
-    def _heads_at_hand(self, spec: RequestSpeculation,
-                       record: SessionRecord) -> tuple[HeadsAtHand | None, HeadsAtHand | None]:
-        """Where the request may use the target's heads and the session's target replica serves
-        them: what a round of their proposals could be (None: no heads), and the proposals the
-        round before read (None: none at hand). The request plans with what is known of those
-        heads (their id); after planning, its policy says whether the round's Verify reads them
-        for the next (`SessionPolicy.wants_heads`)."""
+    def _offers(self, spec: RequestSpeculation, record: SessionRecord, cap: int, draft_up: bool,
+                allowed: bool) -> Offers:
+        """What each source can offer the session's next round, asked once before it is planned:
+        prompt lookup's match (where the plan would use one), what the draft lacks of the
+        history, and where the request may use the target's heads and its target replica serves
+        them, what a heads round could be and the proposals the round before read. The request
+        plans with what is known of those heads (their id)."""
+        base = len(record.token_ids)
+        lookup = (self.prompt_lookup.look(record.session_id, record.token_ids, cap)
+                  if spec.looks_up(cap, allowed) else NO_LOOKUP)
         target = self.routes.targets.info_of(record.target.address)
         if not spec.uses_heads or target is None or target.num_heads <= 0:
-            return None, None
-        self.speculation.use_heads(spec, target.heads_id)
-        limit = min(self.config.max_num_speculative_tokens, target.max_speculative_tokens)
-        typical = HeadsAtHand(min(target.num_heads, limit), limit, self.heads.candidates, trees=target.verifies_trees)
-        at_hand = self.heads.at_hand(record.session_id, len(record.token_ids))
-        depth = min(self.heads.depth_at(record.session_id, len(record.token_ids)), limit)
-        if not depth:
-            return typical, None
-        width = max(len(dist.token_ids) for dist in at_hand[:depth])
-        return typical, HeadsAtHand(depth, limit, width, trees=target.verifies_trees)
+            served = at_hand = None
+        else:
+            self.speculation.use_heads(spec, target.heads_id)
+            served, at_hand = self.heads.offer(record.session_id, base, target, self.config.max_num_speculative_tokens)
+        return Offers(lookup, draft_up, catch_up_tokens(record, base), at_hand, served)
 
     async def _round(self, run: RequestRun, spec: RequestSpeculation, cap: int, tokens_left: int,
                      params: SamplingParams, rng: RequestRng) -> RoundResult:

@@ -10,11 +10,11 @@ from typing import Any
 from specdec.fingerprint import PrefixHashes
 from specdec.maths.tree import TokenTree
 from specdec.rng import RequestRng, RoundSeeds
-from specdec.types import DraftAhead, Proposal, Proposer, SamplingParams, TokenLogprobs, Verdict
+from specdec.types import DraftAhead, Proposal, Source, SamplingParams, TokenLogprobs, Verdict
 
 from coordinator.policy.speculation import Plan, RequestSpeculation
 from coordinator.stats import GenerationStats
-from coordinator.sessions.store import SessionRecord
+from coordinator.sessions.session_store import SessionRecord
 from coordinator.sessions.model_tiers import Tier
 
 NO_PROPOSAL = Proposal([], [])
@@ -130,7 +130,7 @@ class Drafts:
     """What a source proposed for a round."""
 
     proposal: Proposal = NO_PROPOSAL       # the tokens and the q each was drawn from
-    source: Proposer = Proposer.NONE        # who proposed them: NONE when there are none
+    source: Source = Source.NONE        # who proposed them: NONE when there are none
     propose_seconds: float | None = None    # what proposing took, where it prices the source
     #                                         (None: not a plain round, e.g. a catch-up prefill)
     call_seconds: float | None = None       # the draft call on the round's critical path (None: none)
@@ -146,7 +146,7 @@ class RoundResult:
     plan: Plan
     verdict: Verdict
     drafts: list[int]                  # the proposed tokens the target verified
-    source: Proposer                   # who proposed them: NONE when nobody did (or the draft failed)
+    source: Source                   # who proposed them: NONE when nobody did (or the draft failed)
     propose_seconds: float | None      # what proposing took, where it prices the source
     call_seconds: float | None         # the draft call on the round's critical path (None: none)
     verify_seconds: float              # the Verify call

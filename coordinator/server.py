@@ -20,7 +20,7 @@ from specdec.metrics import Metrics, MetricsServer, serve_metrics
 from specdec.rpc.metrics_interceptor import MetricsInterceptor
 from specdec.rpc.security import (ApiKeyInterceptor, CredentialsError, read_api_key, server_credentials,
                                   upstream_credentials)
-from specdec.rpc.server import build_aio_server
+from specdec.rpc.grpc_server import build_aio_server
 from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from specdec.types import ModelDescription
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc

@@ -33,7 +33,7 @@ from specdec.types import Proposal, SamplingParams, Verdict
 from coordinator.sessions.clients import ServiceClient
 from coordinator.rounds import RequestRun
 from coordinator.sessions.routing import Routes
-from coordinator.sessions.store import SessionRecord
+from coordinator.sessions.session_store import SessionRecord
 from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from specdec.maths.tree import TokenTree, tree_outcome
-from specdec.types import Proposer
+from specdec.types import Source
 
 from coordinator.sessions.model_tiers import Tier
 
@@ -74,7 +74,7 @@ class GenerationStats:
             self.target_prefill_tokens += tokens
             self.target_restored_tokens += restored
 
-    def record_round(self, gamma: int, accepted: int, source: Proposer = Proposer.DRAFT,
+    def record_round(self, gamma: int, accepted: int, source: Source = Source.DRAFT,
                      hints_kept: int = 0, tree: TokenTree | None = None,
                      accepted_nodes: tuple[int, ...] = (), lookup_nodes: int = 0) -> None:
         """One round: γ tokens proposed by `source` (DRAFT, PROMPT_LOOKUP, HEADS; NONE when γ is 0),
@@ -82,16 +82,16 @@ class GenerationStats:
         draft tree round's γ tokens are `tree`'s nodes, of which the target accepted the path
         `accepted_nodes`, and whose last `lookup_nodes` nodes are prompt lookup's branches (the
         tree_* counts are the draft's trees; a heads round counts as heads only)."""
-        if tree is not None and gamma and source == Proposer.DRAFT:
+        if tree is not None and gamma and source == Source.DRAFT:
             self._record_tree(tree, accepted_nodes, len(tree) - lookup_nodes)
         self.rounds += 1
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
-        if gamma and source == Proposer.PROMPT_LOOKUP:
+        if gamma and source == Source.PROMPT_LOOKUP:
             self.ngram_rounds += 1
             self.ngram_draft_tokens += gamma
             self.ngram_accepted_tokens += accepted
-        elif gamma and source == Proposer.HEADS:
+        elif gamma and source == Source.HEADS:
             self.heads_rounds += 1
             self.heads_draft_tokens += gamma
             self.heads_accepted_tokens += accepted

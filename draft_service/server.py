@@ -10,10 +10,10 @@ import grpc
 from specdec.config import DraftConfig
 from specdec.rpc.model_server import serve_model
 from specdec.rpc.security import server_credentials
-from specdec.rpc.server import BackgroundServer
-from specdec.runtime.engines import runner_from_config
-from specdec.runtime.scheduler import batch_scheduler
-from specdec.runtime.worker import ModelWorker
+from specdec.rpc.grpc_server import BackgroundServer
+from specdec.runtime.engines import engine_from_config
+from specdec.runtime.serving.scheduler import batch_scheduler
+from specdec.runtime.serving.worker import ModelWorker
 from specdec.tokenizer import fingerprints
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -27,7 +27,7 @@ def start(config: DraftConfig, interceptors: Sequence[grpc.aio.ServerInterceptor
           ) -> tuple[BackgroundServer, int, DraftServicer]:
     """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
-    engine = runner_from_config(config)
+    engine = engine_from_config(config)
     drafting = engine.drafting(config.proposal_top_k)  # first: warm_up captures its loop's graphs
     engine.warm_up()  # before serving: the first call finds the engine ready
     worker = ModelWorker(config.max_queue, name="draft-model")

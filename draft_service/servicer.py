@@ -8,9 +8,9 @@ from typing import Callable
 from specdec.rpc.convert import description_for, dist_to_pb, model_info_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
 from specdec.rpc.streaming import serve_calls
-from specdec.runtime.calls import deadline_of, run_call
+from specdec.runtime.serving.calls import deadline_of, run_call
 from specdec.runtime.engine import Drafting, ModelEngine
-from specdec.runtime.scheduler import BatchScheduler
+from specdec.runtime.serving.scheduler import BatchScheduler
 from specdec.types import ModelDescription
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -19,7 +19,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, engine: ModelEngine, drafting: Drafting, description: ModelDescription,
                  scheduler: BatchScheduler, fingerprint: Callable[[int], str]):
         self.engine = engine
-        self.drafting = drafting  # the engine's k-step loop
+        self.drafting = drafting  # the engine's γ-step loop
         self.description = description
         self.scheduler = scheduler
         self.worker = scheduler.worker

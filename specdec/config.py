@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping, TypeVar
 
-from specdec.types import (Backend, CoreSharing, DiscoveryKind, DraftAhead, KVCacheType, Proposer, Quantization,
+from specdec.types import (Backend, CoreSharing, DiscoveryKind, DraftAhead, KVCacheType, Source, Quantization,
                            RpcTransport, Trees)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -176,7 +176,7 @@ class CoordinatorConfig(ServerTlsConfig):
     default_proposer: str = opt("auto", "proposal source when a request leaves proposer unset: auto "
                                 "(per round, prompt lookup, the draft model, the target's heads or none, "
                                 "whichever pays most), draft, ngram (prompt lookup only), none or heads "
-                                "(the target's heads only)", choices_of(Proposer))
+                                "(the target's heads only)", choices_of(Source))
     head_candidates: int = opt(4, "where the target serves Medusa-style heads (--heads), every Verify "
                                "of a request that may use them (proposer heads or auto) asks for each "
                                "head's this many likeliest tokens, proposed as a token tree in the next "

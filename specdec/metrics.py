@@ -22,13 +22,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
-from specdec.types import Proposer
+from specdec.types import Source
 
 SERVICES = ("coordinator", "draft", "target")
-ROUND_SOURCES = tuple(p.value for p in Proposer if p != Proposer.AUTO)  # a round's proposer label
+ROUND_SOURCES = tuple(p.value for p in Source if p != Source.AUTO)  # a round's proposer label
 STAGES = ("draft", "verify", "store", "coordinator")
 WATCHABLE = ("active_sessions", "cached_sessions", "kv_cache_bytes", "queue_depth")
-# the K/V chunk metrics of a draft or target service (read from its runner's KV tier when scraped)
+# the K/V chunk metrics of a draft or target service (read from its engine's KV tier when scraped)
 KV_CHUNK_COUNTERS = {
     "specdec_kv_restored_tokens": "history tokens loaded from K/V chunks instead of prefilled",
     "specdec_kv_prefix_cache_hits": "K/V chunks found in this replica's prefix cache",
@@ -170,7 +170,7 @@ class Metrics:
             if isinstance(metric, MetricWrapperBase) and service in FAMILIES[metric.describe()[0].name]:
                 self.registry.register(metric)
 
-    def record_round(self, proposer: Proposer | str, gamma: int, accepted: int,
+    def record_round(self, proposer: Source | str, gamma: int, accepted: int,
                      stage_seconds: Mapping[str, float] | None = None, tree: bool = False) -> None:
         """One speculation round: γ proposed by `proposer`, `accepted` of them kept, and the
         seconds it spent per stage (draft, verify, store, coordinator). tree: the γ tokens were

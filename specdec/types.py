@@ -17,9 +17,11 @@ FLOAT32_TINY = 1.1754943508222875e-38  # ... and the smallest normal positive on
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as in vLLM): 1/T would overflow
 
 
-class Proposer(StrEnum):
+class Source(StrEnum):
     """Where a round's proposed tokens come from. A request names one (AUTO lets the
-    coordinator pick per round); a round's source is one of the others."""
+    coordinator pick per round); a round's source is one of the others. On the wire and the
+    command line it keeps its old name: the request field and flag `proposer` (--proposer,
+    --default-proposer) and the proto enum `Proposer` (PROPOSER_AUTO, ...), values as here."""
 
     AUTO = "auto"    # per round, whichever source the policy expects to pay most
     DRAFT = "draft"  # the draft model (the draft service)
@@ -142,7 +144,7 @@ class SparseDist:
 
 @dataclass(frozen=True)
 class Proposal:
-    """What a proposer returns: γ draft tokens and the distribution each came from."""
+    """What a proposal source returns: γ draft tokens and the distribution each came from."""
 
     draft_tokens: list[int]
     draft_probs: list[SparseDist]

@@ -1,7 +1,7 @@
 """`specdec distill`: train a draft to match the target's next-token distributions
 (specdec/distill/), write it where `specdec serve draft --model` loads it, and report α
 before and after; or with --heads K, train K Medusa-style heads on the target
-(specdec/distill/heads.py), write them where `specdec serve target --heads` loads them, and
+(specdec/distill/heads_training.py), write them where `specdec serve target --heads` loads them, and
 report their accuracy before and after."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from specdec.fields import CLI, reword
-from specdec.types import Proposer
+from specdec.types import Source
 
 from specdec_cli.env import DEFAULT_PORT, env_default
 
@@ -35,7 +35,7 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
                      help="fixed proposed tokens per round; 0 = target only; unset = adaptive "
                           "(env SPECDEC_GENERATE_GAMMA)")
     gen.add_argument("--proposer", default=env_default("generate", "proposer", None),
-                     choices=tuple(p.value for p in Proposer),
+                     choices=tuple(p.value for p in Source),
                      help="where proposed tokens come from: auto (per round, prompt lookup, the draft "
                           "model or the target's heads), draft, ngram (prompt lookup), none, heads (the "
                           "target's Medusa-style heads); unset = the coordinator's default "

@@ -9,10 +9,10 @@ import grpc
 from specdec.config import TargetConfig
 from specdec.rpc.model_server import serve_model
 from specdec.rpc.security import server_credentials
-from specdec.rpc.server import BackgroundServer
-from specdec.runtime.engines import runner_from_config
-from specdec.runtime.scheduler import batch_scheduler
-from specdec.runtime.worker import ModelWorker
+from specdec.rpc.grpc_server import BackgroundServer
+from specdec.runtime.engines import engine_from_config
+from specdec.runtime.serving.scheduler import batch_scheduler
+from specdec.runtime.serving.worker import ModelWorker
 from specdec.tokenizer import fingerprints
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -26,7 +26,7 @@ def start(config: TargetConfig, interceptors: Sequence[grpc.aio.ServerIntercepto
           ) -> tuple[BackgroundServer, int, TargetServicer]:
     """Load the model and serve it (behind `interceptors`, if any); returns (server, bound port, servicer)."""
     credentials = server_credentials(config)  # before the model loads: a bad file fails at once
-    engine = runner_from_config(config)
+    engine = engine_from_config(config)
     engine.warm_up()  # before serving: the first call finds the engine ready
     worker = ModelWorker(config.max_queue, name="target-model")
     verification = engine.verification()

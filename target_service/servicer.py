@@ -9,9 +9,9 @@ from specdec.rpc.convert import (description_for, dist_from_pb, dist_to_pb, logp
                                  sampling_from_pb)
 from specdec.rpc.status import map_errors
 from specdec.rpc.streaming import serve_calls
-from specdec.runtime.calls import deadline_of, run_call
+from specdec.runtime.serving.calls import deadline_of, run_call
 from specdec.runtime.engine import ModelEngine, Verification
-from specdec.runtime.scheduler import BatchScheduler
+from specdec.runtime.serving.scheduler import BatchScheduler
 from specdec.types import ModelDescription
 from specdec.v1 import target_pb2, target_pb2_grpc
 

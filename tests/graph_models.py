@@ -9,7 +9,7 @@ import torch
 
 from specdec_cli import tiny
 from specdec.runtime.graph.batch import RowInput
-from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
+from specdec.runtime.graph.cuda_graphs import Buckets, CudaGraphRunner
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import PagedKV
 
@@ -47,9 +47,9 @@ def reference(model, tokens: Sequence[int]) -> torch.Tensor:
     return model(torch.tensor([list(tokens)], device=model.device)).logits[0]
 
 
-def runner_for(model, block_size: int = 4, blocks: int = 128, buckets: Buckets | None = None) -> GraphRunner:
+def runner_for(model, block_size: int = 4, blocks: int = 128, buckets: Buckets | None = None) -> CudaGraphRunner:
     graph = GraphModel.from_hf(model)
-    return GraphRunner(graph, PagedKV(graph.pool_spec(block_size), blocks), buckets)
+    return CudaGraphRunner(graph, PagedKV(graph.pool_spec(block_size), blocks), buckets)
 
 
 def sequence(n: int, seed: int) -> list[int]:
@@ -57,7 +57,7 @@ def sequence(n: int, seed: int) -> list[int]:
     return torch.randint(1, VOCAB, (n,), generator=generator).tolist()
 
 
-def run(runner: GraphRunner, session_id: str, tokens: Sequence[int], keep: int | None = None) -> torch.Tensor:
+def run(runner: CudaGraphRunner, session_id: str, tokens: Sequence[int], keep: int | None = None) -> torch.Tensor:
     """One row's forward (a new session when unknown) -> [keep, vocab] (all tokens by default)."""
     if session_id not in runner.kv:
         runner.kv.new_session(session_id)

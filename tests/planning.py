@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 from weakref import WeakKeyDictionary
 
-from coordinator.policy.speculation import NO_LOOKUP, Plan, RequestSpeculation
+from coordinator.policy.speculation import NO_LOOKUP, Offers, Plan, RequestSpeculation
 from coordinator.sources.prompt_lookup import PromptLookup
 
 # one prompt-lookup source per request, as the round loop keeps one index per running session
@@ -18,4 +18,4 @@ def plan_round(request: RequestSpeculation, history: Sequence[int], cap: int, dr
     """`request`'s next plan for `history`: RoundLoop._plan without the round around it."""
     source = _LOOKUPS.setdefault(request, PromptLookup(max_ngram, max_tokens))
     lookup = source.look("session", history, cap) if request.looks_up(cap, allowed) else NO_LOOKUP
-    return request.plan(lookup, cap, draft_available, allowed)
+    return request.plan(Offers(lookup, draft_available), cap, allowed=allowed)

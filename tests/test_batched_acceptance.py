@@ -1,7 +1,9 @@
-"""The batched, on-device acceptance step (specdec/runtime/batched_acceptance.py) against the
-rule it implements: greedy decisions equal the scalar step's, sampled output follows p
-(chi-square over many rows decided in one call, chains of different γ padded together), the
-residual is drawn at a rejection, and a row's draws are its own generator's alone."""
+"""The batched, on-device acceptance step (specdec/maths/batched_acceptance.py) against the
+reference it implements (specdec/maths/acceptance.py): given the same uniforms, every row of
+random p, q, drafts, γ and seeds decides exactly what the reference decides (the drafts
+accepted, the next token, the ratios), greedy and sampled rows in one batch; sampled output
+follows p (chi-square over many rows decided in one call, chains of different γ padded
+together), the residual is drawn at a rejection, and a row's draws are its own generator's alone."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.maths.acceptance import accept_greedy
-from specdec.runtime.batched_acceptance import ChainBatch, decide, inverse_cdf, row_uniforms
+from specdec.maths import acceptance
+from specdec.maths.acceptance import accept_greedy, accept_sampled
+from specdec.maths.batched_acceptance import ChainBatch, decide, inverse_cdf, row_uniforms
+from specdec.maths.draft_q import DraftQ
 from specdec.runtime.generators import make_generator
+from specdec.types import SparseDist
 from tests.test_sampling import chi2_pvalue
 
 pytestmark = pytest.mark.unit
@@ -38,6 +43,68 @@ def batch(p: torch.Tensor, drafts: list[list[int]], q: torch.Tensor, greedy: lis
     ids = torch.arange(VOCAB).expand(rows, gamma_max, VOCAB).contiguous()
     return ChainBatch(p.float(), padded, torch.tensor([len(d) for d in drafts]), ids, q.float(),
                       torch.tensor(greedy), uniforms)
+
+
+class GivenUniforms:
+    """torch for the reference rule, with its draws replaced by given uniforms, in order: `rand`
+    hands out the next ones, `draw` (for `sample`) takes the next by the inverse CDF, as the
+    batched form draws. The reference then decides with exactly the uniforms the batched form
+    was given, so the two must agree row by row, not only in distribution."""
+
+    def __init__(self, values: list[float]):
+        self.values = list(values)
+
+    def take(self, n: int) -> list[float]:
+        taken, self.values[:n] = self.values[:n], []
+        assert len(taken) == n, "the reference drew more uniforms than the batched form has"
+        return taken
+
+    def rand(self, n: int, generator=None, device=None) -> torch.Tensor:
+        return torch.tensor(self.take(n), dtype=torch.float32, device=device)
+
+    def draw(self, probs: torch.Tensor, generator=None) -> int:
+        return int(inverse_cdf(probs[None], torch.tensor(self.take(1)))[0])
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def test_each_row_decides_as_the_reference_with_the_same_uniforms(monkeypatch):
+    """Random p, q, γ (0 included), drafts and seeds, a quarter of the rows greedy: each row of
+    one batch decides what accept_sampled / accept_greedy decide with that row's uniforms."""
+    rows, gamma_max = 400, 6
+    g = torch.Generator().manual_seed(21)
+    p = dists(rows * (gamma_max + 1), 22).reshape(rows, gamma_max + 1, VOCAB)  # [R, G+1, V]
+    q = dists(rows * gamma_max, 23, sharp=1.0).reshape(rows, gamma_max, VOCAB)  # [R, G, V]
+    gammas = [gamma_max] + torch.randint(0, gamma_max + 1, (rows - 1,), generator=g).tolist()
+    greedy = (torch.rand(rows, generator=g) < 0.25).tolist()
+    argmax = p.argmax(-1)  # [R, G+1]
+    drafts = []
+    for r, gamma in enumerate(gammas):
+        drawn = torch.multinomial(q[r], 1, generator=g).squeeze(1)[:gamma].tolist()  # dᵢ ~ qᵢ
+        if greedy[r]:  # the argmax for a random number of steps, then a draw
+            follow = int(torch.randint(0, gamma + 1, (1,), generator=g))
+            drawn = argmax[r, :follow].tolist() + drawn[follow:]
+        drafts.append(drawn)
+    generators = [None if greedy[r] else make_generator(1000 + r) for r in range(rows)]
+    uniforms = row_uniforms(generators, [gamma + 1 for gamma in gammas], torch.device("cpu"))
+    decided = decide(batch(p, drafts, q, greedy, uniforms)).to_host()
+    outcomes = set()
+    for r, gamma in enumerate(gammas):
+        if greedy[r]:
+            want = accept_greedy(drafts[r], argmax[r, :gamma + 1].tolist())
+        else:
+            given = GivenUniforms(uniforms[r, :gamma + 1].tolist())
+            monkeypatch.setattr(acceptance, "torch", given)
+            monkeypatch.setattr(acceptance, "sample", given.draw)
+            q_rows = [SparseDist(tuple(range(VOCAB)), tuple(q[r, i].tolist())) for i in range(gamma)]
+            want = accept_sampled(drafts[r], DraftQ.from_sparse(q_rows, drafts[r], VOCAB), p[r, :gamma + 1],
+                                  generators[r])
+            monkeypatch.undo()
+            assert not given.values, "the reference left uniforms unused"
+        assert decided[r] == (want.num_accepted, want.next_token, want.accept_probs), (r, gamma, greedy[r])
+        outcomes.add((greedy[r], want.num_accepted == gamma))
+    assert outcomes == {(True, True), (True, False), (False, True), (False, False)}  # every branch ran
 
 
 def test_greedy_rows_decide_as_the_scalar_step():

@@ -1,9 +1,11 @@
-"""The batched, on-device acceptance step over token trees (specdec/runtime/batched_tree_acceptance.py)
-against the rule it implements: greedy walks equal accept_tree_greedy's on many random trees;
-sampled output follows p (one pooled chi-square over the first token and the 2-token path,
-one-hot and non-one-hot q, trees whose children are all rejected); and through the graph
-engine's DeviceVerifier, a batch of trees and chains with different seeds gives each row what
-it gets alone, greedy rows what the host verifier gives."""
+"""The batched, on-device acceptance step over token trees
+(specdec/maths/batched_tree_acceptance.py) against the reference it implements
+(specdec/maths/tree_acceptance.py): greedy walks equal accept_tree_greedy's on many random
+trees, and sampled walks accept_tree_sampled's, row by row, given the same uniforms (random
+trees, p, sparse q and seeds); sampled output follows p (one pooled chi-square over the first
+token and the 2-token path, one-hot and non-one-hot q, trees whose children are all rejected);
+and through the graph engine's DeviceVerification, a batch of trees and chains with different seeds
+gives each row what it gets alone, greedy rows what the host verifier gives."""
 
 from __future__ import annotations
 
@@ -15,12 +17,16 @@ import torch
 from specdec.config import TargetConfig
 from specdec.maths.draft_q import DraftQ
 from specdec.maths.tree import TokenTree
-from specdec.maths.tree_acceptance import accept_tree_greedy
-from specdec.runtime.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
-from specdec.runtime.device_verification import DeviceVerifier
-from specdec.runtime.engines import runner_from_config
-from specdec.runtime.verification import Verifier
+from specdec.maths import tree_acceptance
+from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
+from specdec.maths.batched_acceptance import row_uniforms
+from specdec.maths.batched_tree_acceptance import TreeBatch, decide_trees, tree_layout
+from specdec.runtime.graph.device_verification import DeviceVerification
+from specdec.runtime.engines import engine_from_config
+from specdec.runtime.generators import make_generator
+from specdec.runtime.verification import HostVerification
 from specdec.types import SamplingParams, SparseDist
+from tests.test_batched_acceptance import GivenUniforms
 from tests.test_sampling import chi2_pvalue
 
 VOCAB = 12
@@ -74,6 +80,69 @@ def test_greedy_walks_equal_accept_tree_greedy_on_random_trees():
     assert max(depths) >= 4 and min(depths) == 0 and any(len(u) > 4 for t in trees for u in t.children())
 
 
+def walk_order(tree: TokenTree, path: list[int], tested: int) -> list[int]:
+    """The nodes a walk that accepted `path` tested, in the order it tested them: at each node
+    its children up to the accepted one, below the last every child (all rejected)."""
+    children, order, row = tree.children(), [], 0
+    for node in path:
+        under = children[row]
+        order += under[:under.index(node) + 1]
+        row = node + 1
+    order += children[row]
+    assert len(order) == tested
+    return order
+
+
+@pytest.mark.unit
+def test_sampled_walks_decide_as_the_reference_with_the_same_uniforms(monkeypatch):
+    """Random trees (some wider than TREE_WIDTH), p, sparse q of random widths and seeds, in one
+    batch: each row decides what accept_tree_sampled decides when its walk draws the uniforms the
+    batched form gives the nodes it tests (node i's test uniform i, the draw uniform n). The
+    nodes it does not test keep their own uniforms, which must change nothing."""
+    rng, g = random.Random(7), torch.Generator().manual_seed(8)
+    trees = [random_tree(rng, rng.randint(1, 10)) for _ in range(300)]
+    nodes = max(len(tree) for tree in trees)
+    p = torch.softmax(torch.randn(len(trees), nodes + 1, VOCAB, generator=g) * 1.5, -1)  # [R, N+1, V]
+    qs = []
+    for tree in trees:  # per node a q over a random subset of ids that holds its token
+        rows = []
+        for token in tree.tokens:
+            ids = sorted({token, *rng.sample(range(VOCAB), rng.randint(0, VOCAB - 1))})
+            probs = torch.softmax(torch.randn(len(ids), generator=g), -1).tolist()
+            rows.append(SparseDist(tuple(ids), tuple(probs)))
+        qs.append(DraftQ.from_sparse(rows, list(tree.tokens), VOCAB))
+    uniforms = row_uniforms([make_generator(2000 + r) for r in range(len(trees))], [len(t) + 1 for t in trees],
+                            torch.device("cpu"))  # [R, N+1]
+    decided = decide_trees(TreeBatch(p, tree_layout(trees, qs), torch.zeros(len(trees), dtype=torch.bool),
+                                     uniforms, True)).to_host()
+    outcomes = set()
+    for r, tree in enumerate(trees):
+        walk = GivenUniforms(torch.rand(len(tree) + 1, generator=g).tolist())  # in the order drawn
+        monkeypatch.setattr(tree_acceptance, "torch", walk)
+        monkeypatch.setattr(tree_acceptance, "sample", walk.draw)
+        drawn = list(walk.values)
+        want = accept_tree_sampled(tree, qs[r], p[r, :len(tree) + 1], make_generator(0))
+        monkeypatch.undo()
+        given = uniforms[r].clone()  # the batched form's uniforms, the walk's where it drew them
+        order = walk_order(tree, want.path, want.tested)
+        given[order] = torch.tensor(drawn[:len(order)])
+        given[len(tree)] = drawn[len(order)]
+        n = len(tree)
+        again = decide_trees(TreeBatch(p[r:r + 1, :n + 1], tree_layout([tree], [qs[r]]), torch.zeros(1, dtype=torch.bool),
+                                       given[None, :n + 1], True)).to_host()[0]
+        assert again == (want.path, want.next_token, want.is_bonus, want.tested), (r, tree)
+        outcomes.add((bool(want.path), want.is_bonus))
+        # the batch's own uniforms: the reference with those, in walk order, decides the same
+        order = walk_order(tree, decided[r][0], decided[r][3])
+        walk = GivenUniforms([*uniforms[r, order].tolist(), float(uniforms[r, len(tree)])])
+        monkeypatch.setattr(tree_acceptance, "torch", walk)
+        monkeypatch.setattr(tree_acceptance, "sample", walk.draw)
+        want = accept_tree_sampled(tree, qs[r], p[r, :len(tree) + 1], make_generator(0))
+        monkeypatch.undo()
+        assert decided[r] == (want.path, want.next_token, want.is_bonus, want.tested), (r, tree)
+    assert outcomes == {(False, False), (True, False), (True, True)}  # rejected at the root, deeper, a bonus
+
+
 def dists(rows: int, seed: int, sharp: float = 1.5) -> torch.Tensor:
     """[rows, VOCAB] random distributions, token 11 outside every support."""
     probs = torch.softmax(torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * sharp, -1)
@@ -94,8 +163,8 @@ def pooled_pvalue(first: torch.Tensor, second: torch.Tensor, p_root: torch.Tenso
 def test_sampled_walks_follow_p_over_the_first_two_tokens(proposal):
     """Three children of the root, a grandchild under the first; p at a node depends on its
     token alone (p_after), as the target's next round after that token would. one-hot:
-    children are the draft's top tokens (q one-hot); drawn-from-q: each child drawn from its own q independently (q not one-hot, children may
-    repeat); all-rejected: p at the root is zero on every child's token."""
+    children are the draft's top tokens (q one-hot); drawn-from-q: each child drawn from its own
+    q independently (q not one-hot, children may repeat); all-rejected: p at the root is zero on every child's token."""
     rows = 12_000
     g = torch.Generator().manual_seed(11)
     p_root, p_after, q_rows = dists(1, 1)[0], dists(VOCAB, 2), dists(4, 3, sharp=1.0)
@@ -132,7 +201,7 @@ def test_sampled_walks_follow_p_over_the_first_two_tokens(proposal):
 @pytest.fixture(scope="module")
 def target(small_vocab_models):
     """The 12-token target on the graph engine, float64."""
-    return runner_from_config(TargetConfig(model=small_vocab_models["target"], backend="graph", dtype="float64",
+    return engine_from_config(TargetConfig(model=small_vocab_models["target"], backend="graph", dtype="float64",
                                            kv_cache_bytes=8 << 20))
 
 
@@ -180,10 +249,10 @@ def verify(verifier, rows, prefix="s"):
                            params, seed, top_logprobs=2, draft_parents=parents)
              for i, (drafts, parents, params, seed) in rows]
     verdicts = verifier.verify_batch(calls)
-    kept = [list(verifier.runner.caches.get(call.session_id).tokens) for call in calls]
+    kept = [list(verifier.engine.caches.get(call.session_id).tokens) for call in calls]
     for call in calls:
-        verifier.runner.release(call.session_id)
-    verifier.runner.finish(())
+        verifier.engine.release(call.session_id)
+    verifier.engine.finish(())
     return list(zip(verdicts, kept))
 
 
@@ -191,7 +260,7 @@ def verify(verifier, rows, prefix="s"):
 def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host(target):
     rows = rows_of(target)
     device = target.verification()
-    assert isinstance(device, DeviceVerifier)
+    assert isinstance(device, DeviceVerification)
     together = verify(device, list(enumerate(rows)))
     assert device.decided == {"chains": 1, "trees": 4}  # every row on the device, none on the host
     for i, row in enumerate(rows):
@@ -202,13 +271,13 @@ def test_a_row_decides_alike_alone_and_beside_others_and_greedy_rows_as_the_host
         assert kept == HISTORY + [i] + verdict.committed(list(rows[i][0]))[:-1]  # only the accepted path's K/V
         assert len(verdict.logprobs) == verdict.num_accepted + 1
     assert [(v.accepted_nodes, v.is_bonus) for v, _ in together[3:]] == [((3, 5), False), ((0, 3, 4), True)]
-    host = verify(Verifier(target), [(i, rows[i]) for i in (3, 4)])
+    host = verify(HostVerification(target), [(i, rows[i]) for i in (3, 4)])
     assert [together[3], together[4]] == host  # greedy trees: the host walk's path, token, K/V, logprobs
 
 
 @pytest.mark.service
 def test_a_tree_too_wide_for_the_device_step_is_decided_on_the_host(target, monkeypatch):
-    import specdec.runtime.batched_tree_acceptance as module
+    import specdec.maths.batched_tree_acceptance as module
 
     monkeypatch.setattr(module, "MAX_POINTS", 4)  # 3 children × (one-hot q + 1) = 6 points: too many
     rows = rows_of(target)

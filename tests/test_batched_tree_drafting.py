@@ -1,4 +1,4 @@
-"""A depth of every tree at once on the device (specdec/runtime/batched_tree_drafting.py, as
+"""A depth of every tree at once on the device (specdec/runtime/graph/batched_tree_drafting.py, as
 graph/tree_loop.py runs it): over
 many random logits and warps — greedy, sampled with top-k, top-p and temperature, ties — the
 trees are the host loop's (tree_drafting.extend), node for node, in order, and so is the cut;
@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from specdec.maths.tree import TREE_WIDTH
-from specdec.runtime.batched_proposal import RowWarps
-from specdec.runtime.batched_tree_drafting import DepthInputs, keep_slots, next_inputs, pick_depth
-from specdec.runtime.tree_drafting import _Growing, cut, extend
+from specdec.runtime.graph.batched_proposal import RowWarps
+from specdec.runtime.graph.batched_tree_drafting import DepthInputs, keep_slots, next_inputs, pick_depth
+from specdec.runtime.tree_drafting import Growing, cut, extend
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit
 
 
-def depth_inputs(live: list[_Growing], rows: int) -> DepthInputs:
+def depth_inputs(live: list[Growing], rows: int) -> DepthInputs:
     """What a depth's selection reads, from the host's trees (frontiers padded to `rows`)."""
     above, flags, spine = [], [], []
     for g in live:
@@ -32,7 +32,7 @@ def depth_inputs(live: list[_Growing], rows: int) -> DepthInputs:
     return DepthInputs(torch.tensor(above, dtype=torch.float64), torch.tensor(flags), torch.tensor(spine))
 
 
-def extend_on_device(live: list[_Growing], logits: list[torch.Tensor]) -> DepthInputs:
+def extend_on_device(live: list[Growing], logits: list[torch.Tensor]) -> DepthInputs:
     """A depth of every tree at once as graph/tree_loop.py picks it (`pick_depth`), read back
     and added to the host's trees (`keep_slots`, as DeviceDrafting does); returns what the loop
     carries to the next depth (`next_inputs`)."""
@@ -66,7 +66,7 @@ def random_logits(rows: int, vocab: int, rng: random.Random, generator: torch.Ge
     return logits
 
 
-def state(g: _Growing) -> tuple:
+def state(g: Growing) -> tuple:
     return (g.tokens, g.parents, g.scores, g.frontier, g.spine, g.grown)
 
 
@@ -79,8 +79,8 @@ def test_a_batch_of_trees_grows_as_the_host_loop_grows_each(seed):
     host, device = [], []
     for i in range(calls):
         params, depths, budget = random_params(rng, vocab), rng.randint(1, 5), rng.randint(2, 12)
-        host.append(_Growing(i, f"s{i}", None, params, depths, budget, base=3))
-        device.append(_Growing(i, f"s{i}", None, params, depths, budget, base=3))
+        host.append(Growing(i, f"s{i}", None, params, depths, budget, base=3))
+        device.append(Growing(i, f"s{i}", None, params, depths, budget, base=3))
     while device:
         logits = [random_logits(len(g.frontier), vocab, rng, generator) for g in device]
         for g, row_logits in zip(host, logits):
@@ -102,8 +102,8 @@ def test_a_batch_of_trees_grows_as_the_host_loop_grows_each(seed):
 def test_ties_keep_the_earlier_row_then_the_likelier_rank():
     """Four frontier rows with equal scores and equal logits: the host's stable order."""
     greedy = SamplingParams(temperature=0.0)
-    host = _Growing(0, "s", None, greedy, 3, 8, base=3)
-    device = _Growing(0, "s", None, greedy, 3, 8, base=3)
+    host = Growing(0, "s", None, greedy, 3, 8, base=3)
+    device = Growing(0, "s", None, greedy, 3, 8, base=3)
     flat = torch.zeros((1, 8))
     extend(host, flat)
     extend_on_device([device], [flat])

@@ -23,10 +23,11 @@ from draft_service import server as draft_server
 from specdec_cli import tiny
 from specdec.config import DraftConfig, TargetConfig
 from specdec.fingerprint import fingerprint
-from specdec.runtime.kv_cache import KVBuffer, SessionCaches, grown_capacity
+from specdec.runtime.kv_cache import SessionCaches
 from specdec.runtime.loader import load_model
-from specdec.runtime.runner import ModelRunner
-from specdec.runtime.session_runner import Row
+from specdec.runtime.torch.engine import TorchEngine
+from specdec.runtime.session_kv import Row
+from specdec.runtime.torch.kv_buffers import KVBuffer, grown_capacity
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service import server as target_server
 from tests.cluster import Cluster, _free_port
@@ -242,35 +243,35 @@ def test_queued_calls_hold_their_place_in_the_bounded_queue(models):
 # ---- the K/V buffers ----------------------------------------------------------------------------
 
 @pytest.fixture
-def runners(models):
+def engines(models):
     """The same model with K/V buffers and with the DynamicCache fallback."""
     loaded = load_model(models["llama"]["target"], "float64")
-    buffered = ModelRunner(loaded, SessionCaches(64, 1 << 30), 16)
-    fallback = ModelRunner(loaded, SessionCaches(64, 1 << 30), 16)
+    buffered = TorchEngine(loaded, SessionCaches(64, 1 << 30), 16)
+    fallback = TorchEngine(loaded, SessionCaches(64, 1 << 30), 16)
     fallback.kv_spec = None
     assert buffered.kv_spec is not None
     return buffered, fallback
 
 
 @pytest.mark.unit
-def test_batched_buffers_match_the_dynamic_cache_with_rollbacks(runners):
-    buffered, fallback = runners
+def test_batched_buffers_match_the_dynamic_cache_with_rollbacks(engines):
+    buffered, fallback = engines
     rng = random.Random(9)
     for step in range(12):
-        rows = {r: [] for r in runners}
+        rows = {r: [] for r in engines}
         for sid in (f"s{i}" for i in range(6)):
             if rng.random() < 0.3:
                 continue  # this session sits the step out (others join and leave)
             tokens = [rng.randrange(1, 380) for _ in range(rng.choice([1, 2, 5, 30]))]
             keep = rng.randrange(1, len(tokens) + 1)
             rollback = rng.randrange(0, 4)
-            for runner in runners:
-                entry = runner.caches.get(sid)
+            for engine in engines:
+                entry = engine.caches.get(sid)
                 if entry is None:
-                    entry = runner.new_entry()
-                    runner.caches.put(sid, entry)
+                    entry = engine.new_entry()
+                    engine.caches.put(sid, entry)
                 entry.crop(max(0, len(entry) - rollback))
-                rows[runner].append(Row(sid, entry, tokens, keep))
+                rows[engine].append(Row(sid, entry, tokens, keep))
         if not rows[buffered]:
             continue
         for got, expected in zip(buffered.forward_batch(rows[buffered]), fallback.forward_batch(rows[fallback])):
@@ -286,8 +287,8 @@ def test_batched_buffers_match_the_dynamic_cache_with_rollbacks(runners):
 
 
 @pytest.mark.unit
-def test_buffer_growth_keeps_memory_near_the_kv_size(runners):
-    buffered, _ = runners
+def test_buffer_growth_keeps_memory_near_the_kv_size(engines):
+    buffered, _ = engines
     spec = buffered.kv_spec
     assert spec.bytes_per_token == 2 * 2 * 2 * 8 * 8  # layers × (K, V) × kv heads × head dim × float64
     for needed in (1, 17, 300, 1000, 4000, 10_000):
@@ -314,22 +315,22 @@ def test_sliding_window_models_fall_back_to_the_dynamic_cache(tmp_path, caplog):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with caplog.at_level("WARNING"):
-        runner = ModelRunner(load_model(str(tmp_path), "float64"), SessionCaches(8, 1 << 30), 4)
-    assert runner.kv_spec is None
+        engine = TorchEngine(load_model(str(tmp_path), "float64"), SessionCaches(8, 1 << 30), 4)
+    assert engine.kv_spec is None
     assert "DynamicSlidingWindowLayer" in caplog.text and "no batched forwards" in caplog.text
     rows = []
     for sid, tokens in (("a", [5, 6, 7]), ("b", [8] * 12)):
-        entry = runner.new_entry()
-        runner.caches.put(sid, entry)
+        entry = engine.new_entry()
+        engine.caches.put(sid, entry)
         rows.append(Row(sid, entry, tokens, 2))
-    logits = runner.forward_batch(rows)  # still one call for both rows, run row by row
+    logits = engine.forward_batch(rows)  # still one call for both rows, run row by row
     assert [tuple(x.shape) for x in logits] == [(2, 384), (2, 384)]
-    assert len(runner.caches.get("b")) == 12
+    assert len(engine.caches.get("b")) == 12
 
 
 @pytest.mark.unit
-def test_start_up_check_catches_a_model_that_batches_wrongly(runners):
-    buffered, _ = runners
+def test_start_up_check_catches_a_model_that_batches_wrongly(engines):
+    buffered, _ = engines
     assert buffered._batches_agree()
     forward = buffered.model.model.forward
 

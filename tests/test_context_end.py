@@ -12,7 +12,7 @@ from specdec_cli import tiny
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_trees import believe_draft_and_lookup
-from tests.test_proposers import target_only
+from tests.test_sources import target_only
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""The graph engine's device draft loop (specdec/runtime/device_drafting.py,
+"""The graph engine's device draft loop (specdec/runtime/graph/device_drafting.py,
 graph/draft_loop.py): greedy drafts, their q and what the session keeps are the host loop's;
 sampled drafts are draws from the q reported with them (chi-square, pooled over every call);
 a seeded call drafts alike whatever shares its batch; calls the loop does not cover take the
@@ -14,11 +14,11 @@ from specdec.config import DraftConfig
 from specdec.errors import ResourceExhausted
 from specdec.fingerprint import fingerprint
 from specdec.maths.sampling import proposal_top_k
-from specdec.runtime.batched_proposal import RowWarps, proposal_rows
-from specdec.runtime.device_drafting import DeviceDrafting
-from specdec.runtime.drafting import ModelProposer
-from specdec.runtime.engines import runner_from_config
-from specdec.runtime.graph.runner import PagedSessionRunner
+from specdec.runtime.graph.batched_proposal import RowWarps, proposal_rows
+from specdec.runtime.graph.device_drafting import DeviceDrafting
+from specdec.runtime.drafting import HostDrafting
+from specdec.runtime.engines import engine_from_config
+from specdec.runtime.graph.engine import GraphEngine
 from specdec.runtime.loader import load_model
 from specdec.types import SamplingParams
 from tests.test_sampling import chi2_pvalue
@@ -32,7 +32,7 @@ K = 8  # a proposal top-K smaller than the vocabulary, so truncation shows
 @pytest.fixture(scope="module")
 def draft(small_vocab_models):
     """A 12-token draft on the graph engine, float64, its device loop made and warmed up."""
-    engine = runner_from_config(DraftConfig(model=small_vocab_models["draft"], backend="graph", dtype="float64",
+    engine = engine_from_config(DraftConfig(model=small_vocab_models["draft"], backend="graph", dtype="float64",
                                             kv_cache_bytes=8 << 20, proposal_top_k=K))
     device = engine.drafting(K)
     engine.warm_up()
@@ -57,7 +57,7 @@ def _summary(proposals):
 
 def test_greedy_drafts_are_the_host_loops(draft):
     engine, device = draft
-    host = ModelProposer(engine, K)
+    host = HostDrafting(engine, K)
     greedy = SamplingParams(temperature=0.0)
     assert isinstance(device, DeviceDrafting)
     before = engine.draft_loop.eager_runs
@@ -74,7 +74,7 @@ def test_a_session_continues_after_the_loop_as_after_the_host_loop(draft):
     engine, device = draft
     greedy = SamplingParams(temperature=0.0)
     outcomes = []
-    for drafting in (device, ModelProposer(engine, K)):
+    for drafting in (device, HostDrafting(engine, K)):
         first = _propose(drafting, engine, greedy, [4], release=False)[0]
         held = len(PROMPT) + 3  # the prompt, its last token and two drafts the target accepted
         assert first.cached_len == held + 1  # drafts 1..3 run, the fourth not
@@ -87,7 +87,7 @@ def test_a_session_continues_after_the_loop_as_after_the_host_loop(draft):
 
 def test_calls_outside_the_loop_take_the_host_loop_in_the_same_batch(draft):
     engine, device = draft
-    host = ModelProposer(engine, K)
+    host = HostDrafting(engine, K)
     greedy = SamplingParams(temperature=0.0)
     for kwargs in ({"hints": [3, 4]},):
         assert _summary(_propose(device, engine, greedy, [2, 3], **kwargs)) == \
@@ -162,7 +162,7 @@ def test_the_loop_reads_the_device_once_per_batch():
     from bench import launches
 
     model, _ = launches.build_model("tiny")
-    rows = launches.Rows(launches.make_runner(model, "graph"), 32)
+    rows = launches.Rows(launches.make_engine(model, "graph"), 32)
     for temperature in (0.0, 1.0):
         spec = launches.RowSpec(f"loop-{temperature}", "draft", 4, temperature, False)
         assert launches.measure_row(rows, spec, repeats=1, warmup=1).syncs == 1
@@ -174,7 +174,7 @@ def test_trees_of_a_batch_are_the_host_loops_each_depth_picked_on_the_device(dra
     host loop's, node for node, and so is what each session keeps (a sampled chain draws apart:
     the device's draws are inverse-CDF, the host's multinomial)."""
     engine, device = draft
-    host = ModelProposer(engine, K)
+    host = HostDrafting(engine, K)
     # greedy: a tree 6 deep, whose window (20 nodes) is past the buckets' 16: forwards in their own
     # shape; sampled: 5 trees, forwards padded to a bucket of 8 rows
     for params, shapes in ((SamplingParams(temperature=0.0), ((2, 4), (6, 8), (3, 3), (1, 2))),
@@ -200,14 +200,14 @@ def test_a_tree_the_pool_cannot_hold_fails_alone_and_keeps_the_history(draft, sm
     tree calls (RESOURCE_EXHAUSTED), the session keeps its history, a shallower tree then grows."""
     engine, _ = draft
     block = engine.kv_spec.bytes_per_block
-    runner = PagedSessionRunner(load_model(small_vocab_models["draft"], "float64"), 8, 3 * block, 16,
-                                block_size=16)  # 3 blocks: the null block and 32 tokens for sessions
-    drafting = runner.drafting(K)
+    engine = GraphEngine(load_model(small_vocab_models["draft"], "float64"), 8, 3 * block, 16,
+                         block_size=16)  # 3 blocks: the null block and 32 tokens for sessions
+    drafting = engine.drafting(K)
     prompt = (PROMPT * 5)[:26]
     deep = drafting.call("s", 0, 0, prompt, 3, SamplingParams(temperature=0.0), 1, tree_nodes=6)  # 26 + 8 > 32
     result = drafting.propose_batch([deep])[0]
     assert isinstance(result, ResourceExhausted)
-    assert runner.kv.length(runner.caches.get("s").kv.pool_id) == len(prompt)  # the history only
+    assert engine.kv.length(engine.caches.get("s").kv.pool_id) == len(prompt)  # the history only
     shallow = drafting.call("s", len(prompt), fingerprint(prompt), [3], 2, SamplingParams(temperature=0.0), 1,
                             tree_nodes=4)  # 27 + 4 ≤ 32
     proposal = drafting.propose_batch([shallow])[0]

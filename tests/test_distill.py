@@ -164,7 +164,7 @@ def test_the_benchmark_scales_a_short_runs_rates_to_a_full_run():
     assert (hours["train"], hours["answers"], hours["teacher"], hours["alpha"]) == (0.14, 0.28, 0.06, 0.03)
 
 
-# ---- heads: `specdec distill --heads K` (specdec/distill/heads.py) -----------------------------------
+# ---- heads: `specdec distill --heads K` (specdec/distill/heads_training.py) -----------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def test_an_interrupted_heads_run_resumes_where_it_stopped(counting, tmp_path, m
     those of a run never interrupted."""
     from safetensors.torch import load_file
 
-    from specdec.distill.heads import HEADS_PREPARED_FILE, HeadsTrainer
+    from specdec.distill.heads_training import HEADS_PREPARED_FILE, HeadsTrainer
     from specdec.distill.heads_run import distill_heads
 
     distill_heads(_heads(counting, tmp_path / "whole", steps=20, checkpoint_every=4))
@@ -304,7 +304,7 @@ def test_the_output_layers_input_is_the_hidden_state_the_heads_read():
     """The pre-hook's capture, put through the output layer, gives the model's logits."""
     from transformers import LlamaForCausalLM
 
-    from specdec.distill.heads import output_layer_inputs
+    from specdec.distill.heads_training import output_layer_inputs
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny.model_config("llama", 12, 0)).eval()
@@ -317,7 +317,7 @@ def test_the_output_layers_input_is_the_hidden_state_the_heads_read():
 
 @pytest.mark.unit
 def test_head_k_learns_the_position_k_ahead_inside_its_window():
-    from specdec.distill.heads import HeadsData, head_targets
+    from specdec.distill.heads_training import HeadsData, head_targets
 
     top = TopK(torch.arange(10).unsqueeze(-1), torch.ones(10, 1))  # position i's top id is i
     data = HeadsData(torch.zeros(10, 4), top, torch.arange(100, 110), torch.tensor([4] * 4 + [10] * 6), [], [], 12)
@@ -330,7 +330,7 @@ def test_head_k_learns_the_position_k_ahead_inside_its_window():
 
 @pytest.mark.unit
 def test_the_sampled_softmax_is_exact_over_the_whole_vocabulary_and_close_over_a_sample():
-    from specdec.distill.heads import candidates, head_log_probs
+    from specdec.distill.heads_training import candidates, head_log_probs
 
     generator = torch.Generator().manual_seed(0)
     states, weight = torch.randn(1, 6, 16, generator=generator), torch.randn(2000, 16, generator=generator) * 0.3

@@ -85,3 +85,32 @@ def test_the_layout_table_names_every_module_and_only_modules_that_exist():
     problems += [f"{name} has a row but no modules" for name in rows
                  if name.split("/")[0] in PACKAGES and not (ROOT / name).is_dir()]
     assert not problems, "docs/design.md's layout table is stale:\n" + "\n".join(problems)
+
+
+def test_every_summary_figure_has_its_plot_command_machine_and_date():
+    """docs/benchmarks.md's headline figures: each record under docs/figures/ has its plot, the
+    literal commands, the machine and the date, its medians agree with its rows, and the summary
+    shows the plot and links the record."""
+    from bench.summary_figures import median_check, records
+
+    summary = (ROOT / "docs" / "benchmarks.md").read_text()
+    found = records(ROOT / "docs" / "figures")
+    assert {record["figure"] for record in found.values()} >= {"heads", "speedup", "engines"}
+    for path, record in found.items():
+        for key in ("title", "date", "machine", "commands", "conditions", "recorded_in_commit"):
+            assert record.get(key), f"{path.name} has no {key}"
+        assert all(command.strip() for command in record["commands"])
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", record["date"]), f"{path.name}: date {record['date']!r}"
+        assert path.with_suffix(".png").is_file(), f"{path.name} has no plot: run python bench/summary_figures.py"
+        assert f"(figures/{path.with_suffix('.png').name})" in summary, f"the summary does not show {path.stem}'s plot"
+        assert f"(figures/{path.name})" in summary, f"the summary does not link {path.name}"
+        assert not median_check(record), median_check(record)
+
+
+def test_the_machine_record_names_cpu_cores_memory_and_measured_bandwidth():
+    import json
+
+    machine = json.loads((ROOT / "docs" / "figures" / "machine.json").read_text())
+    assert machine["cpu_model"] and machine["cores"] >= 1 and machine["memory_gib"] > 0
+    assert machine["bandwidth_gbs"] > 0 and machine["command"].startswith("python bench/machine.py")
+    assert "python bench/machine.py" in (ROOT / "docs" / "benchmarks.md").read_text()

@@ -23,7 +23,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.cluster import Cluster
 from tests.procs import Coordinator, ServiceProcess, start_together
 from tests.spies import RequestRecorder
-from tests.test_proposers import IDS_PROMPTS, proposer, target_only
+from tests.test_sources import IDS_PROMPTS, proposer, target_only
 
 AHEAD = {"draft_ahead": "on", "draft_hints": False, "draft_min_confidence": 0.0}  # the 12-word draft is never sure
 

@@ -19,13 +19,13 @@ import torch
 
 from specdec.config import DraftConfig
 from specdec.runtime.loader import load_model
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.engines import engine_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.runtime.drafting import ModelProposer
+from specdec.runtime.drafting import HostDrafting
 from tests.cluster import Cluster
 from tests.test_draft_hints import GREEDY, PROMPT
-from tests.test_proposers import IDS_PROMPTS, proposer, target_only
+from tests.test_sources import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
 
 GAMMA = 8
@@ -45,8 +45,8 @@ def greedy_confidences(model_dir: str, prompt: list[int], tokens: list[int]) -> 
 
 @pytest.fixture(scope="module")
 def draft(small_vocab_models):
-    runner = runner_from_config(DraftConfig(model=small_vocab_models["draft"], dtype="float64"))
-    return ModelProposer(runner, 32)
+    engine = engine_from_config(DraftConfig(model=small_vocab_models["draft"], dtype="float64"))
+    return HostDrafting(engine, 32)
 
 
 @pytest.mark.unit
@@ -91,7 +91,7 @@ def test_sampled_stops_after_a_draw_below_the_threshold_and_keeps_q(draft):
     q1 = draft.propose_batch([draft.call("q1", 0, 0, prompt, 1, params, 0)])[0].draft_probs[0]
     first = q1.token_ids[int(np.argmax(q1.probs))]
     assert max(q1.probs) >= threshold  # a draw of `first` continues: the second token is drawn
-    counts = np.zeros(draft.runner.vocab_size)
+    counts = np.zeros(draft.engine.vocab_size)
     q2: dict[int, float] | None = None
     lengths = set()
     pairs = []  # (the call with the threshold's result, the full call's): BATCH seeds per batched forward

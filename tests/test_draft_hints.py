@@ -14,12 +14,12 @@ import pytest
 
 from specdec.config import DraftConfig
 from specdec.fingerprint import fingerprint
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.engines import engine_from_config
 from specdec.types import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.runtime.drafting import ModelProposer
+from specdec.runtime.drafting import HostDrafting
 from tests.cluster import Cluster
-from tests.test_proposers import IDS_PROMPTS, proposer, target_only
+from tests.test_sources import IDS_PROMPTS, proposer, target_only
 from tests.test_sampling import chi2_pvalue
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -81,13 +81,13 @@ def test_bad_hints_are_invalid_argument(llama_cluster):
 def test_sampled_hint_positions_are_draws_from_the_reported_q(small_vocab_models, params):
     """With a hint at the first position, the first proposed token is still distributed as q:
     kept with probability q(hint), else drawn from q without it."""
-    runner = runner_from_config(DraftConfig(model=small_vocab_models["draft"], dtype="float64"))
-    proposer_ = ModelProposer(runner, 32)
+    engine = engine_from_config(DraftConfig(model=small_vocab_models["draft"], dtype="float64"))
+    proposer_ = HostDrafting(engine, 32)
     prompt = [3, 7, 5, 3]
     plain = proposer_.propose_batch([proposer_.call("q", 0, 0, prompt, 1, params, 0)])[0]
     q = dict(zip(plain.draft_probs[0].token_ids, plain.draft_probs[0].probs))
     hint = max(q, key=q.get)  # the likeliest token: kept often, rejected often enough too
-    vocab = runner.vocab_size
+    vocab = engine.vocab_size
     counts, kept = np.zeros(vocab), 0
     samples = 1500
     results = []
@@ -96,7 +96,7 @@ def test_sampled_hint_positions_are_draws_from_the_reported_q(small_vocab_models
         results += proposer_.propose_batch([proposer_.call(f"s{seed}", 0, 0, prompt, 1, params, seed, hints=[hint])
                                             for seed in seeds])
         for seed in seeds:
-            runner.release(f"s{seed}")
+            engine.release(f"s{seed}")
     for result in results:
         assert dict(zip(result.draft_probs[0].token_ids, result.draft_probs[0].probs)) == pytest.approx(q)
         counts[result.draft_tokens[0]] += 1

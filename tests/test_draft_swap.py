@@ -11,11 +11,11 @@ import pytest
 
 from coordinator.policy.speculation import Speculation
 from coordinator.sessions.routing import model_fingerprint
-from specdec.types import ModelDescription, Proposer
+from specdec.types import ModelDescription, Source
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 
-DRAFT = Proposer.DRAFT
+DRAFT = Source.DRAFT
 
 
 def _rounds(spec, accepted: int, count: int = 4) -> None:

@@ -1,7 +1,7 @@
 """End to end, greedy: speculative output == target.generate(do_sample=False), token for token.
 
 Tiny random models (Llama and GPT-2 configs), float64, real gRPC servers on loopback. These
-drive the draft model at fixed γ; tests/test_proposers.py covers prompt lookup and adaptive γ.
+drive the draft model at fixed γ; tests/test_sources.py covers prompt lookup and adaptive γ.
 """
 
 from __future__ import annotations

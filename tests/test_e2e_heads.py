@@ -25,7 +25,7 @@ from tests.cluster import Cluster, _free_port
 from tests.test_draft_swap import _wait_for
 from tests.test_e2e_sampling import PROMPT_IDS, assert_follows, exact_first_two
 from tests.test_metrics import scrape, value
-from tests.test_proposers import IDS_PROMPTS, target_only
+from tests.test_sources import IDS_PROMPTS, target_only
 from tests.test_target_heads import random_heads as random_heads_of
 
 pytestmark = pytest.mark.e2e

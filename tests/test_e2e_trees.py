@@ -11,12 +11,12 @@ import threading
 import numpy as np
 import pytest
 
-from specdec.types import Proposer, SamplingParams
+from specdec.types import Source, SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import PROMPTS, reference
 from tests.test_e2e_sampling import REPEATING_IDS, assert_follows, exact_first_two, sampled_first_two
-from tests.test_proposers import IDS_PROMPTS, target_only
+from tests.test_sources import IDS_PROMPTS, target_only
 
 pytestmark = pytest.mark.e2e
 
@@ -103,7 +103,7 @@ def test_auto_trees_where_costs_favour_them_equal_target_only(models):
     with Cluster(models["llama"]["draft"], target,
                  coordinator={"trees": "auto", "draft_cost_ratio": 0.01}) as cluster:
         speculation = cluster.coordinator.round_loop.speculation
-        prior = speculation.priors[Proposer.DRAFT]
+        prior = speculation.priors[Source.DRAFT]
         prior.successes, prior.trials, prior.rounds = 500.0, 1000.0, 100  # an unsure draft: α = 0.5
         # whose next choices are often the target's (b = 0.25), pinned as the α: this tiny draft's
         # are not, and the measured b would soon (rightly) bring the chains back
@@ -132,8 +132,8 @@ def believe_draft_and_lookup(cluster: Cluster, draft_alpha: float = 0.9, lookup_
         policy = new_policy(session_id, *args)
         if fresh:
             policy.draft_prior = None
-            policy.seed(Proposer.DRAFT, draft_alpha, 10_000)
-            policy.seed(Proposer.PROMPT_LOOKUP, lookup_alpha, 10_000)
+            policy.seed(Source.DRAFT, draft_alpha, 10_000)
+            policy.seed(Source.PROMPT_LOOKUP, lookup_alpha, 10_000)
         return policy
 
     speculation.policy = believing

@@ -10,10 +10,11 @@ import pytest
 
 from specdec.config import TargetConfig
 from specdec.maths.sampling import target_probs
-from specdec.runtime.device_verification import DeviceVerifier
-from specdec.runtime.engine import ModelEngine, SessionEngine
-from specdec.runtime.engines import runner_from_config
-from specdec.runtime.verification import Verifier, VerifyCall
+from specdec.runtime.graph.device_verification import DeviceVerification
+from specdec.runtime.engine import ModelEngine
+from specdec.runtime.session_engine import SessionEngine
+from specdec.runtime.engines import engine_from_config
+from specdec.runtime.verification import HostVerification, VerifyCall
 from specdec.types import SamplingParams, SparseDist
 from tests.test_sampling import chi2_pvalue
 
@@ -23,7 +24,7 @@ PROMPT = [5, 9, 14, 3, 22, 7]
 
 
 def engine(model: str, backend: str, dtype: str = "float64") -> SessionEngine:
-    return runner_from_config(TargetConfig(model=model, backend=backend, dtype=dtype, kv_cache_bytes=8 << 20))
+    return engine_from_config(TargetConfig(model=model, backend=backend, dtype=dtype, kv_cache_bytes=8 << 20))
 
 
 @pytest.fixture(scope="module", params=["torch", "graph", "llama.cpp"])
@@ -47,11 +48,11 @@ def test_every_engine_keeps_the_contract_and_warms_up_cleanly(each_engine):
     assert len(entry) == 0 and list(feed) == PROMPT
     each_engine.release("after")
     # the graph engine decides a batch's chains on the device; the others row by row on the host
-    assert (type(each_engine.verification()) is DeviceVerifier) == (backend == "graph")
-    assert isinstance(each_engine.verification(), Verifier)
+    assert (type(each_engine.verification()) is DeviceVerification) == (backend == "graph")
+    assert isinstance(each_engine.verification(), HostVerification)
 
 
-def _calls(verifier: Verifier, params: SamplingParams, drafts_per_row: list[list[int]], seeds: list[int],
+def _calls(verifier: HostVerification, params: SamplingParams, drafts_per_row: list[list[int]], seeds: list[int],
            q: list[list[SparseDist]] | None = None) -> list[VerifyCall]:
     return [verifier.call(f"s{i}", 0, 0, PROMPT + [i % 7], drafts, [] if q is None else q[i], params, seed)
             for i, (drafts, seed) in enumerate(zip(drafts_per_row, seeds))]
@@ -59,8 +60,8 @@ def _calls(verifier: Verifier, params: SamplingParams, drafts_per_row: list[list
 
 def test_device_verification_gives_the_host_verifiers_greedy_verdicts(models):
     graph = engine(models["llama"]["target"], "graph")
-    device, host = graph.verification(), Verifier(graph)
-    assert isinstance(device, DeviceVerifier)
+    device, host = graph.verification(), HostVerification(graph)
+    assert isinstance(device, DeviceVerification)
     rows = [[1, 2, 3], [40], [7, 7], [9, 8, 7, 6, 5]]
     for verifier in (device, host):  # the same sessions from nothing, each time
         verdicts = verifier.verify_batch(_calls(verifier, SamplingParams(temperature=0.0), rows, [0] * 4))

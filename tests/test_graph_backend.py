@@ -17,10 +17,10 @@ import torch
 
 from specdec.config import DraftConfig, TargetConfig
 from specdec.errors import ResourceExhausted
-from specdec.runtime.engines import resolve_backend, runner_from_config
-from specdec.runtime.graph.runner import PagedSessionRunner
+from specdec.runtime.engines import resolve_backend, engine_from_config
+from specdec.runtime.graph.engine import GraphEngine
 from specdec.runtime.loader import load_model
-from specdec.runtime.session_runner import Row
+from specdec.runtime.session_kv import Row
 from specdec.tokenizer import ModelLoadError
 from specdec.maths.tree import TokenTree
 from specdec.types import Backend, SamplingParams
@@ -29,7 +29,7 @@ from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference
 from tests.test_e2e_sampling import assert_follows, exact_first_two, sampled_first_two
 from tests.test_kv_tier import history, namespace_db  # noqa: F401 - a fixture
-from tests.test_proposers import target_only
+from tests.test_sources import target_only
 
 GRAPH = {"backend": "graph", "kv_cache_bytes": 8 << 20}
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Le café est très chaud", "for i in range(10):"]
@@ -40,10 +40,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                        "the same buckets eagerly, which the other tests prove)")
 
 
-def graph_runner(model: str, dtype: str = "float64", **fields) -> PagedSessionRunner:
-    runner = runner_from_config(TargetConfig(model=model, dtype=dtype, **{**GRAPH, **fields}))
-    assert isinstance(runner, PagedSessionRunner)
-    return runner
+def graph_engine(model: str, dtype: str = "float64", **fields) -> GraphEngine:
+    engine = engine_from_config(TargetConfig(model=model, dtype=dtype, **{**GRAPH, **fields}))
+    assert isinstance(engine, GraphEngine)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -75,97 +75,97 @@ def test_auto_picks_graph_on_cuda_for_the_architectures_it_covers(models):
 @pytest.mark.unit
 def test_what_the_graph_engine_does_not_take_is_refused_by_name(models):
     with pytest.raises(ModelLoadError, match="covers llama, qwen2, mistral models, not 'gpt2'"):
-        graph_runner(models["gpt2"]["target"])
+        graph_engine(models["gpt2"]["target"])
     with pytest.raises(ModelLoadError, match="--backend graph runs plain weights, not --quantize int8"):
-        runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32", quantize="int8", **GRAPH))
-    draft = runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32", **GRAPH))
-    assert isinstance(draft, PagedSessionRunner)  # --quantize auto: plain weights on this engine
+        engine_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32", quantize="int8", **GRAPH))
+    draft = engine_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32", **GRAPH))
+    assert isinstance(draft, GraphEngine)  # --quantize auto: plain weights on this engine
     # a pool sized as a fraction of free memory: the graph engine on CUDA only, a fraction in (0, 1]
     for fraction, backend, message in ((0.5, "graph", "graph backend's pool on a CUDA device; this service runs "
                                         "--backend graph on cpu: give --kv-cache-bytes instead"),
                                        (0.5, "torch", "this service runs --backend torch on cpu"),
                                        (1.5, "graph", r"must be in \(0, 1\] \(0 = off\), got 1.5")):
         with pytest.raises(ModelLoadError, match=message):
-            runner_from_config(DraftConfig(model=models["llama"]["draft"], backend=backend,
+            engine_from_config(DraftConfig(model=models["llama"]["draft"], backend=backend,
                                            kv_cache_memory_fraction=fraction))
 
 
-# ---- the runner: rollback, trees, the pool's bound ------------------------------------------------
+# ---- the engine: rollback, trees, the pool's bound ------------------------------------------------
 
 
 @pytest.mark.unit
 def test_rollback_and_a_kept_tree_path_continue_as_the_hf_model(models):
-    runner = graph_runner(models["llama"]["target"])
+    engine = graph_engine(models["llama"]["target"])
     hf = load_model(models["llama"]["target"], "float64").model
     want = lambda ids: hf(torch.tensor([ids])).logits[0, -1].float()  # noqa: E731
     history = list(range(40, 61))
-    entry, feed = runner.begin("s", 0, 0, history)
-    runner.forward("s", entry, feed, 1)
+    entry, feed = engine.begin("s", 0, 0, history)
+    engine.forward("s", entry, feed, 1)
     assert entry.crop(12) and len(entry) == 12  # rollback: a length edit
-    assert torch.allclose(runner.forward("s", entry, history[12:], 1)[-1], want(history), atol=1e-6)
+    assert torch.allclose(engine.forward("s", entry, history[12:], 1)[-1], want(history), atol=1e-6)
     tree = TokenTree((70, 71, 72, 73), (0, 0, 1, 2))  # two children of the root, one below each
-    out = runner.forward_batch([Row("s", entry, [74, *tree.tokens], 1 + len(tree), tree)])[0]
+    out = engine.forward_batch([Row("s", entry, [74, *tree.tokens], 1 + len(tree), tree)])[0]
     for node in range(len(tree)):
         path = [tree.tokens[i] for i in tree.path(node)]
         assert torch.allclose(out[1 + node], want(history + [74] + path), atol=1e-6), node
-    runner.keep_path(entry, len(history) + 1, [1, 3])
+    engine.keep_path(entry, len(history) + 1, [1, 3])
     assert list(entry.tokens) == history + [74, 71, 73]
-    assert torch.allclose(runner.forward("s", entry, [75], 1)[-1], want(history + [74, 71, 73, 75]), atol=1e-6)
-    held, fingerprint = runner.prefill_step("s", list(entry.tokens) + [1], len(entry))
-    assert held == len(entry) and runner.held_prefix("s", held, fingerprint).tolist() == list(entry.tokens)
+    assert torch.allclose(engine.forward("s", entry, [75], 1)[-1], want(history + [74, 71, 73, 75]), atol=1e-6)
+    held, fingerprint = engine.prefill_step("s", list(entry.tokens) + [1], len(entry))
+    assert held == len(entry) and engine.held_prefix("s", held, fingerprint).tolist() == list(entry.tokens)
 
 
 @pytest.mark.unit
 def test_a_full_pool_evicts_least_recently_used_sessions_before_refusing(models):
-    block = graph_runner(models["llama"]["target"]).kv_spec.bytes_per_block
-    runner = PagedSessionRunner(load_model(models["llama"]["target"], "float64"), 8, 10 * block, 16,
-                                block_size=16)  # 10 blocks, the null block and 9 for sessions
-    assert runner.kv.capacity_tokens == 9 * 16
+    block = graph_engine(models["llama"]["target"]).kv_spec.bytes_per_block
+    engine = GraphEngine(load_model(models["llama"]["target"], "float64"), 8, 10 * block, 16,
+                         block_size=16)  # 10 blocks, the null block and 9 for sessions
+    assert engine.kv.capacity_tokens == 9 * 16
     for name in "abc":  # 3 blocks each: the pool is full
-        entry, feed = runner.begin(name, 0, 0, list(range(1, 41)))
-        runner.forward(name, entry, feed, 1)
-        runner.finish(name)
-    assert runner.kv.free_blocks == 0
-    entry, feed = runner.begin("d", 0, 0, list(range(1, 41)))
-    runner.forward("d", entry, feed, 1)  # "a", least recently used, makes room
-    assert "a" not in runner.caches and {"b", "c", "d"} <= set(runner.caches._entries)
-    runner.finish("d")
-    assert runner.caches.total_bytes() == 9 * runner.kv_spec.bytes_per_block
-    entry, feed = runner.begin("big", 0, 0, list(range(1, 130)))
-    runner.forward("big", entry, feed, 1)  # 9 blocks: every other session goes
-    assert list(runner.caches._entries) == ["big"]
+        entry, feed = engine.begin(name, 0, 0, list(range(1, 41)))
+        engine.forward(name, entry, feed, 1)
+        engine.finish(name)
+    assert engine.kv.free_blocks == 0
+    entry, feed = engine.begin("d", 0, 0, list(range(1, 41)))
+    engine.forward("d", entry, feed, 1)  # "a", least recently used, makes room
+    assert "a" not in engine.caches and {"b", "c", "d"} <= set(engine.caches._entries)
+    engine.finish("d")
+    assert engine.caches.total_bytes() == 9 * engine.kv_spec.bytes_per_block
+    entry, feed = engine.begin("big", 0, 0, list(range(1, 130)))
+    engine.forward("big", entry, feed, 1)  # 9 blocks: every other session goes
+    assert list(engine.caches._entries) == ["big"]
     entry.crop(0)
     with pytest.raises(ResourceExhausted, match="the paged K/V pool is full"):
-        runner.forward("big", entry, list(range(1, 150)), 1)  # more than the whole pool
-    assert len(entry) == 0 and runner.kv.length(entry.kv.pool_id) == 0  # nothing appended
+        engine.forward("big", entry, list(range(1, 150)), 1)  # more than the whole pool
+    assert len(entry) == 0 and engine.kv.length(entry.kv.pool_id) == 0  # nothing appended
 
 
 @pytest.mark.unit
 def test_a_session_released_from_another_thread_is_freed_on_the_model_thread(models):
-    runner = graph_runner(models["llama"]["target"])
-    entry, feed = runner.begin("s", 0, 0, list(range(1, 40)))
-    runner.forward("s", entry, feed, 1)
-    used = runner.kv.used_blocks
-    thread = threading.Thread(target=runner.release, args=("s",))
+    engine = graph_engine(models["llama"]["target"])
+    entry, feed = engine.begin("s", 0, 0, list(range(1, 40)))
+    engine.forward("s", entry, feed, 1)
+    used = engine.kv.used_blocks
+    thread = threading.Thread(target=engine.release, args=("s",))
     thread.start()
     thread.join()
-    assert runner.kv.used_blocks == used and "s" not in runner.caches  # marked only
-    runner.finish(())
-    assert runner.kv.used_blocks == 0
+    assert engine.kv.used_blocks == used and "s" not in engine.caches  # marked only
+    engine.finish(())
+    assert engine.kv.used_blocks == 0
 
 
 @pytest.mark.unit
 def test_kv_chunks_restore_a_prompt_instead_of_prefilling_it(models):
-    runner = graph_runner(models["llama"]["target"], kv_chunk_tokens=16, kv_store="memory://")
+    engine = graph_engine(models["llama"]["target"], kv_chunk_tokens=16, kv_store="memory://")
     prompt = list(range(3, 60))
-    entry, feed = runner.begin("a", 0, 0, prompt)
-    first = runner.forward("a", entry, feed, 1)
-    runner.keep_committed(entry, len(prompt))
-    runner.finish("a")
-    assert runner.kv_tier.counters.kept_chunks == 3
-    entry, feed = runner.begin("b", 0, 0, prompt)  # another session, the same prompt
-    assert len(entry) == 48 and runner.take_restored("b") == 48 and len(feed) == len(prompt) - 48
-    assert torch.allclose(runner.forward("b", entry, feed, 1), first, atol=1e-9)
+    entry, feed = engine.begin("a", 0, 0, prompt)
+    first = engine.forward("a", entry, feed, 1)
+    engine.keep_committed(entry, len(prompt))
+    engine.finish("a")
+    assert engine.kv_tier.counters.kept_chunks == 3
+    entry, feed = engine.begin("b", 0, 0, prompt)  # another session, the same prompt
+    assert len(entry) == 48 and engine.take_restored("b") == 48 and len(feed) == len(prompt) - 48
+    assert torch.allclose(engine.forward("b", entry, feed, 1), first, atol=1e-9)
 
 
 # ---- through the services --------------------------------------------------------------------------
@@ -174,8 +174,8 @@ def test_kv_chunks_restore_a_prompt_instead_of_prefilling_it(models):
 @pytest.mark.e2e
 def test_greedy_chains_through_graph_services_equal_the_hf_model(graph_cluster, expected):
     assert graph_cluster.coordinator.round_loop.target_info.verifies_trees
-    for runner in (graph_cluster.draft_servicer.engine, graph_cluster.target_servicer.engine):
-        assert isinstance(runner, PagedSessionRunner)
+    for engine in (graph_cluster.draft_servicer.engine, graph_cluster.target_servicer.engine):
+        assert isinstance(engine, GraphEngine)
     for gamma in (0, 1, 3, 5):
         for prompt in PROMPTS:
             response = graph_cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
@@ -242,8 +242,8 @@ def test_a_session_moved_to_fresh_graph_replicas_restores_its_chunks_from_redis(
     with Cluster(paths["draft"], paths["target"], draft=services, target=services,
                  coordinator={"session_store": namespace_db}) as first:
         turn1 = first.complete(token_ids=prompt, **fields)
-        for runner in (first.target_servicer.engine, first.draft_servicer.engine):
-            assert runner.kv_tier.writer.flush(10)
+        for engine in (first.target_servicer.engine, first.draft_servicer.engine):
+            assert engine.kv_tier.writer.flush(10)
     with Cluster(paths["draft"], paths["target"], draft=services, target=services,
                  coordinator={"session_store": namespace_db}) as fresh:
         turn2 = fresh.complete(session_id=turn1.session_id, token_ids=[4, 5, 6], **fields)
@@ -303,12 +303,12 @@ def test_cuda_services_capture_their_graphs_before_serving_and_stay_exact(models
     target = models["llama"]["target"]
     want = reference(target, PROMPTS[:2], NEW_TOKENS)
     with Cluster(models["llama"]["draft"], target, dtype="float32", draft=cuda, target=cuda) as cluster:
-        runner = cluster.target_servicer.engine
-        assert runner.graph.graphs  # captured at start
+        engine = cluster.target_servicer.engine
+        assert engine.graph.graphs  # captured at start
         for prompt in PROMPTS[:2]:
             for gamma in (0, 3):
                 response = cluster.complete(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
                                             num_speculative_tokens=gamma, proposer=DRAFT if gamma else NONE)
                 assert list(response.token_ids) == want[prompt], (prompt, gamma)
-        assert runner.graph.replays > 0
+        assert engine.graph.replays > 0
 

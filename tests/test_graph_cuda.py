@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.runtime.graph.batch import BatchShape, RowInput
-from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner, context_blocks
+from specdec.runtime.graph.cuda_graphs import Buckets, CudaGraphRunner, context_blocks
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import PagedKV
 from tests.graph_models import hf_model, reference, run, sequence
@@ -27,7 +27,7 @@ def test_buckets_cover_decode_verification_and_contexts():
 
 def test_default_buckets_reach_the_models_context():
     model = GraphModel.from_hf(hf_model("llama"))  # context 512
-    runner = GraphRunner(model, PagedKV(model.pool_spec(16), 1000))
+    runner = CudaGraphRunner(model, PagedKV(model.pool_spec(16), 1000))
     assert runner.buckets.blocks == (8, 16, 32)  # 512 tokens = 32 blocks of 16
     assert runner.shapes[-1] == BatchShape(64, 16, 32, 16)
 
@@ -37,16 +37,16 @@ def test_no_capture_without_cuda():
     kv = PagedKV(model.pool_spec(4), 16)
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert GraphRunner(model, kv).capture() == 0
+    assert CudaGraphRunner(model, kv).capture() == 0
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the model is on cpu"):
-        GraphRunner(model, kv, capture=True)
+        CudaGraphRunner(model, kv, capture=True)
 
 
 def cuda_runner(dtype=torch.float32, buckets=None):
     hf = hf_model("qwen2", dtype)
     model = GraphModel.from_hf(hf.to("cuda"))
-    runner = GraphRunner(model, PagedKV(model.pool_spec(16), 256),
-                         buckets or Buckets(rows=(1, 2, 4), tokens=(1, 4, 16), blocks=(4, 32), window=16))
+    runner = CudaGraphRunner(model, PagedKV(model.pool_spec(16), 256),
+                             buckets or Buckets(rows=(1, 2, 4), tokens=(1, 4, 16), blocks=(4, 32), window=16))
     return hf, runner
 
 
@@ -84,7 +84,7 @@ def test_captured_greedy_decoding_equals_hf_generate_for_128_tokens():
 def test_the_captured_draft_loop_replays_the_eager_loop():
     """Greedy and sampled rows in one batch of 3 (a bucket of 4 rows, 4 steps for γ 3): the
     captured loop draws what the same loop draws eagerly, and is replayed."""
-    from specdec.runtime.batched_proposal import RowWarps
+    from specdec.runtime.graph.batched_proposal import RowWarps
     from specdec.runtime.graph.draft_loop import DraftLoop
     from specdec.types import SamplingParams
 
@@ -111,11 +111,11 @@ def test_the_captured_draft_loop_replays_the_eager_loop():
     assert [[step[0] for step in row] for row in drawn[0]] == [[step[0] for step in row] for row in drawn[1]]
 
 
-def grow_with_tree_loop(runner: GraphRunner, first: torch.Tensor, depths: int) -> list:
+def grow_with_tree_loop(runner: CudaGraphRunner, first: torch.Tensor, depths: int) -> list:
     """The tree loop over sessions s0.. (their roots' logits `first` [C, vocab]): its slots
     appended, then dropped -> per tree, depth and slot (valid, pool index, token), on the host."""
     from specdec.maths.tree import TREE_WIDTH
-    from specdec.runtime.batched_proposal import RowWarps
+    from specdec.runtime.graph.batched_proposal import RowWarps
     from specdec.runtime.graph.tree_loop import TreeLoopInputs, run_tree_loop
     from specdec.types import SamplingParams
 

@@ -7,7 +7,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.runtime.graph.batch import BatchShape, RowInput
-from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
+from specdec.runtime.graph.cuda_graphs import Buckets, CudaGraphRunner
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import PagedKV
 from specdec.tokenizer import ModelLoadError
@@ -153,7 +153,7 @@ def test_a_model_loaded_from_its_directory(tmp_path):
     path = tiny.build_model(tmp_path / "m", tiny.word_tokenizer(12), "qwen2", seed=3, dtype=torch.float64)
     graph, tokenizer = GraphModel.load(str(path), "float64")
     hf = hf_from(path)
-    runner = GraphRunner(graph, PagedKV(graph.pool_spec(4), 32))
+    runner = CudaGraphRunner(graph, PagedKV(graph.pool_spec(4), 32))
     seq = [1, 5, 3, 7, 2, 9, 11, 4]
     close(run(runner, "s", seq), reference(hf, seq))
     assert tokenizer.eos_token_id == 0

@@ -14,11 +14,11 @@ import pytest
 from coordinator.policy.estimates import CostModel, tree_expected_tokens, tree_expected_tokens_by_depth
 from coordinator.policy.heads_estimates import DepthAcceptance, HeadsAtHand, SessionHeads, heads_budgets
 from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
-from coordinator.policy.speculation import NO_LOOKUP, Speculation
+from coordinator.policy.speculation import Offers, Speculation
 from coordinator.rounds import RoundResult
-from coordinator.sources.heads import HeadsSource, heads_tree
+from coordinator.sources.heads_source import HeadsSource, heads_tree
 from specdec.maths.tree import TokenTree, TreeOutcome
-from specdec.types import Proposer, SparseDist, Verdict
+from specdec.types import Source, SparseDist, Verdict
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +86,7 @@ def _product(values) -> float:
 
 def result(base: int, drafts: list[int], accepted: int, next_token: int, heads=()) -> RoundResult:
     verdict = Verdict(accepted, next_token, False, head_proposals=tuple(heads))
-    return RoundResult(plan=None, verdict=verdict, drafts=drafts, source=Proposer.NONE, propose_seconds=None,
+    return RoundResult(plan=None, verdict=verdict, drafts=drafts, source=Source.NONE, propose_seconds=None,
                        call_seconds=None, verify_seconds=0.0, verified_tokens=0, started=0.0, base=base)
 
 
@@ -103,7 +103,7 @@ def test_proposals_are_for_the_round_right_after_their_verdict_only():
     assert source.depth_at("s", 13) == 2 and source.at_hand("s", 13) == tuple(heads)
     assert source.depth_at("s", 12) == 0 and source.depth_at("other", 13) == 0
     drafts = asyncio.run(source.propose(heads_round(13, 2, 3)))
-    assert drafts.source == Proposer.HEADS and drafts.propose_seconds is None
+    assert drafts.source == Source.HEADS and drafts.propose_seconds is None
     assert drafts.proposal.draft_tokens == [4, 5, 6] and drafts.proposal.parents == (0, 0, 1)
     assert drafts.proposal.draft_probs == [SparseDist.one_hot(t) for t in (4, 5, 6)]  # one-hot q
     chain = asyncio.run(source.propose(heads_round(13, 2, 2)))
@@ -157,10 +157,10 @@ def pinned_policy(heads_alphas: list[float] | None, verify_slope: float = 0.0, d
     costs = CostModel(decay=1.0)
     for n in range(1, 18):
         costs.observe_verify(n, VERIFY_S + verify_slope * (n - 1))
-        costs.observe_propose(Proposer.DRAFT, n, STEP_S * n)
+        costs.observe_propose(Source.DRAFT, n, STEP_S * n)
     policy = SessionPolicy(PolicyConfig(max_gamma=8), costs)
     if draft_alpha is not None:
-        policy.seed(Proposer.DRAFT, draft_alpha, 10_000)
+        policy.seed(Source.DRAFT, draft_alpha, 10_000)
     if heads_alphas is not None:
         shared = DepthAcceptance(1.0)
         for alpha in heads_alphas:
@@ -177,16 +177,16 @@ AT_HAND = HeadsAtHand(depth=3, max_nodes=8, width=4)
 
 
 @pytest.mark.parametrize("heads_alphas, draft_alpha, slope, expected", [
-    ([0.8, 0.6, 0.5], 0.5, 0.0, Proposer.HEADS),   # heads that are right more often than the draft
-    ([0.1, 0.05, 0.05], 0.5, 0.0, Proposer.DRAFT),  # a draft that is right more often than the heads
-    ([0.8, 0.6, 0.5], None, 0.0, Proposer.HEADS),   # a draft never measured is warmed up first: off here
-    ([0.02, 0.01, 0.01], 0.02, 0.05, Proposer.NONE),  # each verified token costs and nothing is right
+    ([0.8, 0.6, 0.5], 0.5, 0.0, Source.HEADS),   # heads that are right more often than the draft
+    ([0.1, 0.05, 0.05], 0.5, 0.0, Source.DRAFT),  # a draft that is right more often than the heads
+    ([0.8, 0.6, 0.5], None, 0.0, Source.HEADS),   # a draft never measured is warmed up first: off here
+    ([0.02, 0.01, 0.01], 0.02, 0.05, Source.NONE),  # each verified token costs and nothing is right
 ], ids=["heads-win", "draft-wins", "heads-alone", "none"])
 def test_heads_are_chosen_where_their_tokens_per_round_beat_the_others(heads_alphas, draft_alpha, slope, expected):
     policy = pinned_policy(heads_alphas, slope, draft_alpha=draft_alpha, heads_b=0.02)
     choice = policy.choose(max_gamma=8, draft_available=draft_alpha is not None, heads=AT_HAND)
     assert choice.source == expected
-    if expected == Proposer.HEADS:
+    if expected == Source.HEADS:
         assert 1 <= choice.gamma <= AT_HAND.depth and choice.gamma <= choice.tree_nodes <= AT_HAND.max_nodes
         assert choice.speedup > 2.0  # verification flat: the whole tree comes for one target pass
 
@@ -195,43 +195,43 @@ def test_auto_reads_the_heads_only_while_the_next_round_may_take_them():
     """Reading the heads costs the target an output-layer pass: under auto, heads that lose are
     read again only when their probe comes due; heads that win, every round."""
     losing = pinned_policy([0.1, 0.05, 0.05], draft_alpha=0.5, heads_b=0.02)
-    assert losing.choose(max_gamma=8, heads=AT_HAND).source == Proposer.DRAFT
-    assert not losing.wants_heads(Proposer.AUTO)
-    assert losing.wants_heads(Proposer.HEADS)  # a request held to heads reads them every round
+    assert losing.choose(max_gamma=8, heads=AT_HAND).source == Source.DRAFT
+    assert not losing.wants_heads(Source.AUTO)
+    assert losing.wants_heads(Source.HEADS)  # a request held to heads reads them every round
     unread = 0
-    while not losing.wants_heads(Proposer.AUTO):  # rounds whose Verify did not read them still count
-        assert losing.choose(max_gamma=8, heads=None).source == Proposer.DRAFT
+    while not losing.wants_heads(Source.AUTO):  # rounds whose Verify did not read them still count
+        assert losing.choose(max_gamma=8, heads=None).source == Source.DRAFT
         unread += 1
         assert unread <= losing.config.probe_interval
     probe = losing.choose(max_gamma=8, heads=AT_HAND)
-    assert (probe.source, probe.reason) == (Proposer.HEADS, "probe")
+    assert (probe.source, probe.reason) == (Source.HEADS, "probe")
     winning = pinned_policy([0.8, 0.6, 0.5], heads_b=0.02)
-    assert winning.choose(max_gamma=8, heads=AT_HAND).source == Proposer.HEADS
-    assert winning.wants_heads(Proposer.AUTO)
-    assert not pinned_policy(None).wants_heads(Proposer.AUTO)  # a target without heads: never
+    assert winning.choose(max_gamma=8, heads=AT_HAND).source == Source.HEADS
+    assert winning.wants_heads(Source.AUTO)
+    assert not pinned_policy(None).wants_heads(Source.AUTO)  # a target without heads: never
     unseen = pinned_policy([0.8, 0.6, 0.5], heads_b=0.02)  # good heads, none read before this round
-    assert unseen.choose(max_gamma=8, heads=None).source == Proposer.DRAFT
-    assert not unseen.wants_heads(Proposer.AUTO)
-    assert unseen.wants_heads(Proposer.AUTO, AT_HAND, cap=8)  # they would beat the draft: read them
+    assert unseen.choose(max_gamma=8, heads=None).source == Source.DRAFT
+    assert not unseen.wants_heads(Source.AUTO)
+    assert unseen.wants_heads(Source.AUTO, AT_HAND, cap=8)  # they would beat the draft: read them
     still_losing = pinned_policy([0.1, 0.05, 0.05], draft_alpha=0.5, heads_b=0.02)
-    assert still_losing.choose(max_gamma=8, heads=AT_HAND).source == Proposer.DRAFT
-    assert not still_losing.wants_heads(Proposer.AUTO, AT_HAND, cap=8)  # they would not beat the draft
+    assert still_losing.choose(max_gamma=8, heads=AT_HAND).source == Source.DRAFT
+    assert not still_losing.wants_heads(Source.AUTO, AT_HAND, cap=8)  # they would not beat the draft
 
 
 def test_never_heads_without_heads_or_without_proposals_at_hand():
     no_heads = pinned_policy(None)
-    assert no_heads.choose(max_gamma=8, heads=AT_HAND).source == Proposer.DRAFT  # the target has none
+    assert no_heads.choose(max_gamma=8, heads=AT_HAND).source == Source.DRAFT  # the target has none
     good = pinned_policy([0.9, 0.9, 0.9])
-    assert good.choose(max_gamma=8, heads=None).source == Proposer.DRAFT  # none read in the round before
-    assert good.choose(max_gamma=8, heads=AT_HAND, mode=Proposer.DRAFT).source == Proposer.DRAFT
-    assert good.choose(max_gamma=0, heads=AT_HAND).source == Proposer.NONE  # no room left
+    assert good.choose(max_gamma=8, heads=None).source == Source.DRAFT  # none read in the round before
+    assert good.choose(max_gamma=8, heads=AT_HAND, mode=Source.DRAFT).source == Source.DRAFT
+    assert good.choose(max_gamma=0, heads=AT_HAND).source == Source.NONE  # no room left
 
 
 def test_a_steep_verify_curve_shrinks_the_heads_tree_and_the_depth_falls_with_the_heads():
     flat = pinned_policy([0.6, 0.4, 0.2], draft_alpha=None).choose(max_gamma=8, draft_available=False, heads=AT_HAND)
     steep = pinned_policy([0.6, 0.4, 0.2], 0.05, draft_alpha=None).choose(max_gamma=8, draft_available=False,
                                                                            heads=AT_HAND)
-    assert flat.source == steep.source == Proposer.HEADS
+    assert flat.source == steep.source == Source.HEADS
     assert flat.tree_nodes == AT_HAND.max_nodes and steep.tree_nodes < flat.tree_nodes
     shallow = pinned_policy([0.6, 0.01, 0.01], 0.05, draft_alpha=None).choose(
         max_gamma=8, draft_available=False, heads=AT_HAND)
@@ -247,37 +247,37 @@ def heads_speculation() -> Speculation:
 
 def test_proposer_heads_fixes_the_source_and_rounds_without_proposals_decode_one_token():
     spec = heads_speculation()
-    request = spec.start("s", Proposer.HEADS, None)
+    request = spec.start("s", Source.HEADS, None)
     spec.use_heads(request, "h1")
     assert request.uses_heads and not request.uses_draft
-    plain = request.plan(NO_LOOKUP, 8, True, heads=None)
-    assert (plain.source, plain.gamma) == (Proposer.NONE, 0)
-    first = request.plan(NO_LOOKUP, 8, True, heads=AT_HAND)  # warm-up: a tree twice its depth
-    assert (first.source, first.reason, first.gamma, first.tree_nodes) == (Proposer.HEADS, "warmup", 3, 6)
-    fixed = spec.start("f", Proposer.HEADS, 5)
+    plain = request.plan(Offers(), 8)
+    assert (plain.source, plain.gamma) == (Source.NONE, 0)
+    first = request.plan(Offers(heads=AT_HAND), 8)  # warm-up: a tree twice its depth
+    assert (first.source, first.reason, first.gamma, first.tree_nodes) == (Source.HEADS, "warmup", 3, 6)
+    fixed = spec.start("f", Source.HEADS, 5)
     spec.use_heads(fixed, "h1")
-    plan = fixed.plan(NO_LOOKUP, 8, True, heads=AT_HAND)
-    assert (plan.source, plan.gamma, plan.tree_nodes) == (Proposer.HEADS, 3, 5)  # a fixed γ: its nodes
-    assert not spec.start("n", Proposer.HEADS, 0).uses_heads
+    plan = fixed.plan(Offers(heads=AT_HAND), 8)
+    assert (plan.source, plan.gamma, plan.tree_nodes) == (Source.HEADS, 3, 5)  # a fixed γ: its nodes
+    assert not spec.start("n", Source.HEADS, 0).uses_heads
 
 
 def test_heads_rounds_feed_their_estimates_and_new_heads_start_afresh():
     spec = heads_speculation()
-    request = spec.start("s", Proposer.AUTO, None)
+    request = spec.start("s", Source.AUTO, None)
     spec.use_heads(request, "h1")
     tree = heads_tree([dist((4, 0.6), (5, 0.3)), dist((6, 0.9), (7, 0.1))], 4, 2)  # 4 → 6, 5, 5 → 6
     for _ in range(30):  # the spine taken to depth 2, every round
-        request.observe(Proposer.HEADS, len(tree), 2, propose_seconds=None, verify_seconds=None,
+        request.observe(Source.HEADS, len(tree), 2, propose_seconds=None, verify_seconds=None,
                         verified_tokens=len(tree) + 1, tree=tree, accepted_nodes=(0, 2))
     shared = spec.heads_estimates("h1")
     assert shared.rounds == 30 and [d.alpha for d in shared.depths] == [1.0, 1.0]
     assert request.policy.heads.alphas(2) == [1.0, 1.0]
-    assert spec.policy("s").sources[Proposer.DRAFT].acceptance.rounds == 0  # the draft learnt nothing
-    other = spec.start("t", Proposer.AUTO, None)  # a new session: no warm-up of heads measured already
+    assert spec.policy("s").sources[Source.DRAFT].acceptance.rounds == 0  # the draft learnt nothing
+    other = spec.start("t", Source.AUTO, None)  # a new session: no warm-up of heads measured already
     spec.use_heads(other, "h1")
-    assert other.plan(NO_LOOKUP, 8, False, heads=AT_HAND).source == Proposer.HEADS
+    assert other.plan(Offers(draft_available=False, heads=AT_HAND), 8).source == Source.HEADS
     spec.use_heads(request, "h2")  # its target serves other heads now: learnt afresh
     assert request.policy.heads.heads_id == "h2" and request.policy.heads.alpha(1) is None
-    assert request.plan(NO_LOOKUP, 8, False, heads=AT_HAND).reason == "warmup"
+    assert request.plan(Offers(draft_available=False, heads=AT_HAND), 8).reason == "warmup"
     spec.use_heads(request, "h1")  # back: the coordinator kept what it learnt of h1
     assert request.policy.heads.alphas(2) == [1.0, 1.0]

@@ -405,6 +405,49 @@ def test_notes_tell_how_to_call_the_api(rendered, chart):
     assert "WARNING: several coordinator pods with the in-memory session store" in shared_nothing["specdec/templates/NOTES.txt"]
 
 
+def test_notes_show_the_http_api_with_curl_and_where_both_apis_are_in_the_cluster(rendered):
+    notes = rendered["defaults"].notes
+    assert "OpenAI-compatible HTTP API" in notes and "port 8000" in notes
+    assert f"port-forward svc/{FULL}-coordinator 8000:8000" in notes
+    assert "curl -s http://localhost:8000/v1/models" in notes
+    assert "curl -s http://localhost:8000/v1/chat/completions" in notes
+    assert '"model": "Qwen/Qwen2.5-Coder-1.5B-Instruct"' in notes  # the name the API serves by default
+    assert f"{FULL}-coordinator.{NAMESPACE}.svc:50051" in notes  # gRPC inside the cluster
+    assert f"http://{FULL}-coordinator.{NAMESPACE}.svc:8000/v1" in notes
+    secured = rendered["tls-apikey"].notes  # HTTPS with the CA and the key, on the served name
+    assert "curl -s --cacert ca.crt --connect-to api.example.com:8000:localhost:8000" in secured
+    assert "https://api.example.com:8000/v1/models" in secured and "Bearer $SPECDEC_API_KEY" in secured
+    assert '"model": "qwen2.5-coder-1.5b-instruct"' in secured  # a directory: its base name
+    off = rendered["memory-store-no-metrics"].notes  # coordinator.http.port 0: no HTTP API to mention
+    assert "HTTP API" not in off and "curl -s" not in off and ":8000" not in off
+
+
+def _images(r: Rendered) -> dict[str, tuple[str, str]]:
+    """component -> (image, imagePullPolicy) of every workload's container."""
+    return {component_of(w): (container(w)["image"], container(w)["imagePullPolicy"])
+            for w in r.objects("Deployment") + r.objects("StatefulSet")}
+
+
+def test_one_image_value_sets_every_specdec_pod_and_pulls_only_if_not_present(rendered, chart):
+    assert _images(rendered["defaults"]) == {
+        "coordinator": ("specdec:0.1.0", "IfNotPresent"), "draft": ("specdec:0.1.0", "IfNotPresent"),
+        "target": ("specdec:0.1.0", "IfNotPresent"), "redis": ("redis:7.4.2-alpine", "IfNotPresent")}
+    for image in ("specdec:dev", "registry.example.com:5000/team/specdec:0.2.0",
+                  "specdec@sha256:" + "a" * 64):
+        r = Rendered(chart.render({"image": image}, name=RELEASE, namespace=NAMESPACE, is_install=True))
+        assert _images(r) == {**{tier: (image, "IfNotPresent") for tier in TIERS},
+                              "redis": ("redis:7.4.2-alpine", "IfNotPresent")}, image
+    # the per-tier keys still work where the one value is empty (a CUDA image for the GPU tiers)
+    gpu = _images(rendered["gpu"])
+    assert gpu["draft"][0] == gpu["target"][0] == "specdec:0.1.0-cuda" and gpu["coordinator"][0] == "specdec:0.1.0"
+
+
+@pytest.mark.parametrize("image", ["specdec", "specdec:latest", "registry.example.com:5000/specdec", "spec dec:1"])
+def test_schema_rejects_an_image_without_a_pinned_tag(chart, image):
+    with pytest.raises(Exception):
+        chart.render({"image": image}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
 def test_the_target_serves_heads_only_where_set(rendered, chart):
     for r in rendered.values():  # empty by default: no flag
         for deployment in r.objects("Deployment"):

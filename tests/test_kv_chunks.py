@@ -18,7 +18,7 @@ from specdec.kv.chunks import (
     encode_chunk,
     model_fingerprint,
 )
-from specdec.runtime.kv_cache import KVSpec
+from specdec.runtime.torch.kv_buffers import KVSpec
 
 MODEL = model_fingerprint({"weights": "sha256:abc", "config": "qwen2", "dtype": "bfloat16"})
 OTHER_MODEL = model_fingerprint({"weights": "sha256:abd", "config": "qwen2", "dtype": "bfloat16"})

@@ -1,4 +1,4 @@
-"""The K/V chunk store (specdec/kv/store.py): Redis and memory stores, the back-off of a store
+"""The K/V chunk store (specdec/kv/chunk_store.py): Redis and memory stores, the back-off of a store
 that is down, credentials kept out of messages, and the background writer that never blocks."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from specdec.errors import Unavailable
-from specdec.kv.store import ChunkStoreStats, MemoryChunkStore, RedisChunkStore, open_chunk_store
+from specdec.kv.chunk_store import ChunkStoreStats, MemoryChunkStore, RedisChunkStore, open_chunk_store
 from specdec.kv.writer import ChunkWriter
 from specdec.logtag import redacted_url
 from tests.redis_server import RedisServer

@@ -17,15 +17,15 @@ import redis
 import torch
 
 from specdec.config import TargetConfig
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.engines import engine_from_config
 from tests.cluster import Cluster
-from tests.test_proposers import proposer, target_only
+from tests.test_sources import proposer, target_only
 
 CHUNK = 16
 
 
-def make_runner(model: str, kv_store: str = "", prefix_cache_bytes: int = 0):
-    return runner_from_config(TargetConfig(model=model, dtype="float64", kv_store=kv_store,
+def make_engine(model: str, kv_store: str = "", prefix_cache_bytes: int = 0):
+    return engine_from_config(TargetConfig(model=model, dtype="float64", kv_store=kv_store,
                                            prefix_cache_bytes=prefix_cache_bytes, kv_chunk_tokens=CHUNK))
 
 
@@ -34,24 +34,24 @@ def history(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(3, 200) for _ in range(n)]
 
 
-def run(runner, session_id: str, tokens: list[int]) -> tuple[torch.Tensor, int]:
+def run(engine, session_id: str, tokens: list[int]) -> tuple[torch.Tensor, int]:
     """A call with the whole history (prefix_len 0), as a resend or a new session sends it:
     (the last position's logits [1, vocab], tokens the forward ran)."""
-    entry, feed = runner.begin(session_id, 0, 0, tokens)
-    logits = runner.forward(session_id, entry, feed, 1)
-    runner.keep_committed(entry, len(tokens))
-    runner.finish(session_id)
+    entry, feed = engine.begin(session_id, 0, 0, tokens)
+    logits = engine.forward(session_id, entry, feed, 1)
+    engine.keep_committed(entry, len(tokens))
+    engine.finish(session_id)
     return logits, len(feed)
 
 
-def flush(runner) -> None:
-    assert runner.kv_tier.writer.flush(10)
+def flush(engine) -> None:
+    assert engine.kv_tier.writer.flush(10)
 
 
 def written_elsewhere(model: str, url: str, tokens: list[int]):
-    """A replica that ran `tokens` and wrote their chunks to the store at `url`: (its runner, its
+    """A replica that ran `tokens` and wrote their chunks to the store at `url`: (its engine, its
     logits) and a second, fresh replica of the same model on the same store."""
-    here, there = make_runner(model, url), make_runner(model, url)
+    here, there = make_engine(model, url), make_engine(model, url)
     logits, _ = run(here, "s", tokens)
     flush(here)
     return here, logits, there
@@ -68,41 +68,41 @@ def namespace_db(redis_url):
 
 @pytest.mark.unit
 def test_sessions_sharing_a_prefix_prefill_it_once(models):
-    runner = make_runner(models["llama"]["target"], prefix_cache_bytes=64 << 20)
+    engine = make_engine(models["llama"]["target"], prefix_cache_bytes=64 << 20)
     prompt = history(100)
-    first, ran_first = run(runner, "a", prompt)
-    second, ran_second = run(runner, "b", prompt)
+    first, ran_first = run(engine, "a", prompt)
+    second, ran_second = run(engine, "b", prompt)
     assert ran_first == 100
     assert ran_second == 100 - 96  # six chunks restored; the last token always runs
     assert torch.equal(first, second)
-    assert runner.kv_tier.counters.cache_hits == 6 and runner.kv_tier.counters.restored_tokens == 96
+    assert engine.kv_tier.counters.cache_hits == 6 and engine.kv_tier.counters.restored_tokens == 96
     # a prompt that shares only its first two chunks restores those two
     other = prompt[:40] + history(60, seed=1)
-    expected, _ = run(make_runner(models["llama"]["target"]), "x", other)
-    got, ran = run(runner, "c", other)
+    expected, _ = run(make_engine(models["llama"]["target"]), "x", other)
+    got, ran = run(engine, "c", other)
     assert ran == 100 - 32 and torch.equal(got, expected)
 
 
 @pytest.mark.unit
 def test_the_prefix_cache_stays_within_its_budget(models):
-    runner = make_runner(models["llama"]["target"], prefix_cache_bytes=1)  # smaller than one chunk
+    engine = make_engine(models["llama"]["target"], prefix_cache_bytes=1)  # smaller than one chunk
     prompt = history(40)
-    run(runner, "a", prompt)
-    _, ran = run(runner, "b", prompt)
-    assert ran == 40 and runner.kv_tier.cache.nbytes == 0
+    run(engine, "a", prompt)
+    _, ran = run(engine, "b", prompt)
+    assert ran == 40 and engine.kv_tier.cache.nbytes == 0
 
 
 @pytest.mark.unit
 def test_drafts_of_a_call_made_ahead_are_never_kept(models):
     """Only the committed history's chunks are kept: a session whose last 20 tokens are drafts
     keeps the chunks that end before them."""
-    runner = make_runner(models["llama"]["target"], prefix_cache_bytes=64 << 20)
+    engine = make_engine(models["llama"]["target"], prefix_cache_bytes=64 << 20)
     tokens = history(70)
-    entry, feed = runner.begin("a", 0, 0, tokens)
-    runner.forward("a", entry, feed, 1)
-    runner.keep_committed(entry, 50)
-    assert runner.kv_tier.counters.kept_chunks == 3  # chunks [0, 48): the one to 64 holds drafts
-    _, feed_b = runner.begin("b", 0, 0, tokens)
+    entry, feed = engine.begin("a", 0, 0, tokens)
+    engine.forward("a", entry, feed, 1)
+    engine.keep_committed(entry, 50)
+    assert engine.kv_tier.counters.kept_chunks == 3  # chunks [0, 48): the one to 64 holds drafts
+    _, feed_b = engine.begin("b", 0, 0, tokens)
     assert len(feed_b) == 70 - 48
 
 
@@ -139,12 +139,12 @@ def test_another_models_chunks_are_never_used(models, namespace_db, tmp_path):
 
     other = str(tiny.build_model(tmp_path / "other", tiny.byte_level_tokenizer(), "llama", seed=99))
     target = models["llama"]["target"]
-    writer = make_runner(target, namespace_db)
+    writer = make_engine(target, namespace_db)
     tokens = history(70)
     run(writer, "s", tokens)
     flush(writer)
-    reader = make_runner(other, namespace_db)
-    expected, _ = run(make_runner(other), "s", tokens)
+    reader = make_engine(other, namespace_db)
+    expected, _ = run(make_engine(other), "s", tokens)
     got, ran = run(reader, "s", tokens)
     assert ran == 70 and torch.equal(got, expected)
     assert reader.kv_tier.counters.store_hits == 0 and reader.kv_tier.counters.store_misses == 1
@@ -154,11 +154,11 @@ def test_another_models_chunks_are_never_used(models, namespace_db, tmp_path):
 def test_a_store_that_is_down_costs_only_the_prefill(models, own_redis):
     target = models["llama"]["target"]
     tokens = history(70)
-    here = make_runner(target, own_redis.url)
+    here = make_engine(target, own_redis.url)
     expected, _ = run(here, "s", tokens)
     flush(here)
     own_redis.stop()
-    there = make_runner(target, own_redis.url)
+    there = make_engine(target, own_redis.url)
     got, ran = run(there, "s", tokens)
     assert ran == 70 and torch.equal(got, expected)
     assert not there.kv_tier.store.healthy
@@ -210,15 +210,15 @@ def test_a_session_moved_to_fresh_replicas_continues_exactly(models, namespace_d
 
 @pytest.mark.unit
 def test_a_different_cache_salt_shares_nothing(models):
-    runner = make_runner(models["llama"]["target"], prefix_cache_bytes=64 << 20)
+    engine = make_engine(models["llama"]["target"], prefix_cache_bytes=64 << 20)
     prompt = history(70)
-    entry, feed = runner.begin("a", 0, 0, prompt, "tenant-a")
-    runner.forward("a", entry, feed, 1)
-    runner.keep_committed(entry, len(prompt), "tenant-a")
-    assert len(runner.begin("b", 0, 0, prompt, "tenant-b")[1]) == 70  # another tenant: nothing
-    assert len(runner.begin("c", 0, 0, prompt)[1]) == 70              # no salt: nothing
-    assert len(runner.begin("d", 0, 0, prompt, "tenant-a")[1]) == 70 - 64
-    assert runner.take_restored("d") == 64 and runner.take_restored("d") == 0
+    entry, feed = engine.begin("a", 0, 0, prompt, "tenant-a")
+    engine.forward("a", entry, feed, 1)
+    engine.keep_committed(entry, len(prompt), "tenant-a")
+    assert len(engine.begin("b", 0, 0, prompt, "tenant-b")[1]) == 70  # another tenant: nothing
+    assert len(engine.begin("c", 0, 0, prompt)[1]) == 70              # no salt: nothing
+    assert len(engine.begin("d", 0, 0, prompt, "tenant-a")[1]) == 70 - 64
+    assert engine.take_restored("d") == 64 and engine.take_restored("d") == 0
 
 
 @pytest.mark.e2e
@@ -252,19 +252,19 @@ def test_requests_share_a_prompt_prefix_unless_salted(models):
 def test_the_chunk_counters_are_metrics(models, namespace_db):
     from specdec.metrics import Metrics
 
-    runner = make_runner(models["llama"]["target"], namespace_db, prefix_cache_bytes=64 << 20)
+    engine = make_engine(models["llama"]["target"], namespace_db, prefix_cache_bytes=64 << 20)
     metrics = Metrics("target")
-    metrics.watch_kv_chunks(runner.kv_tier.metrics)
+    metrics.watch_kv_chunks(engine.kv_tier.metrics)
     prompt = history(70)
-    run(runner, "a", prompt)
-    flush(runner)
-    run(runner, "b", prompt)
+    run(engine, "a", prompt)
+    flush(engine)
+    run(engine, "b", prompt)
     text = metrics.render().decode()
     assert "specdec_kv_restored_tokens_total 64.0" in text
     assert "specdec_kv_prefix_cache_hits_total 4.0" in text
     assert "specdec_kv_store_chunks_written_total 4.0" in text
     assert "specdec_kv_store_up 1.0" in text
-    chunk_bytes = 4 * CHUNK * runner.kv_spec.bytes_per_token
+    chunk_bytes = 4 * CHUNK * engine.kv_spec.bytes_per_token
     written = next(float(line.split()[1]) for line in text.splitlines()
                    if line.startswith("specdec_kv_store_bytes_written_total "))
     assert chunk_bytes < written <= 1.05 * chunk_bytes
@@ -287,13 +287,13 @@ def test_engines_that_cannot_cut_chunks_say_so_at_start_up(models, tmp_path, cap
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "sliding")
     tokenizer.save_pretrained(tmp_path / "sliding")
     with caplog.at_level("WARNING"):
-        runner = make_runner(str(tmp_path / "sliding"), "memory://", prefix_cache_bytes=1 << 20)
-    assert runner.kv_tier is None
+        engine = make_engine(str(tmp_path / "sliding"), "memory://", prefix_cache_bytes=1 << 20)
+    assert engine.kv_tier is None
     assert "no prefix cache or K/V store" in caplog.text and "DynamicCache" in caplog.text
     caplog.clear()
     gguf = write_llama_gguf(models["llama"]["target"], tmp_path / "target.gguf")
     with caplog.at_level("WARNING"):
-        llama = runner_from_config(TargetConfig(model=str(gguf), backend="llama.cpp", kv_store="memory://",
+        llama = engine_from_config(TargetConfig(model=str(gguf), backend="llama.cpp", kv_store="memory://",
                                                 kv_cache_tokens=256))
     try:
         assert llama.kv_tier is None
@@ -312,7 +312,7 @@ def test_the_kv_store_has_a_health_name_of_its_own(models, own_redis, monkeypatc
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from specdec.rpc import server as rpc_server
+    from specdec.rpc import grpc_server as rpc_server
     from target_service import server as target_server
 
     monkeypatch.setattr(rpc_server, "DEPENDENCY_CHECK_S", 0.1)

@@ -7,7 +7,10 @@ graph here is read from the source with `ast`: every import, at module level or 
 function, as a lazy import is a dependency all the same. The coordinator runs no model, so
 none of its modules may bring torch into its process. Within the coordinator, each wing (api,
 sources, policy, sessions; the round loop at the top) imports only what its docstring allows,
-and only coordinator/session_calls.py records what a replica holds.
+and only coordinator/session_calls.py records what a replica holds. Within the runtime, each
+room (the contract and what the engines share at the bottom, a room per engine, the services'
+plumbing, the factory at the top) imports only what its docstring allows: engines never import
+each other, the contract imports no engine, the plumbing only the contract.
 """
 
 from __future__ import annotations
@@ -268,7 +271,7 @@ def test_the_wing_rules_can_fail():
     assert not _allowed("coordinator.sources.draft_model", "coordinator.sources.prompt_lookup")
     assert not _allowed("coordinator.policy.speculation", "coordinator.sources.lookup_index")
     assert not _allowed("coordinator.sessions.routing", "coordinator.rounds")
-    assert not _allowed("coordinator.api.servicer", "coordinator.sessions.store")
+    assert not _allowed("coordinator.api.servicer", "coordinator.sessions.session_store")
     assert not _allowed("coordinator.round_loop", "coordinator.api.servicer")
     assert _allowed("coordinator.server", "coordinator.api.servicer")
 
@@ -283,10 +286,12 @@ def test_only_session_calls_records_what_a_replica_holds():
 
 
 
-# what the model services may use of the runtime: the engine contract and the plumbing that
-# runs calls on it (the per-round work is the engine's: specdec/runtime/engine.py)
-SERVICE_RUNTIME = {"specdec.runtime.engine", "specdec.runtime.engines", "specdec.runtime.calls",
-                   "specdec.runtime.scheduler", "specdec.runtime.worker"}
+# what the model services may use of the runtime: the engine contract, the factory that builds an
+# engine and the plumbing that runs calls on it (the per-round work is the engine's:
+# specdec/runtime/engine.py)
+SERVICE_RUNTIME = {"specdec.runtime.engine", "specdec.runtime.engines", "specdec.runtime.serving",
+                   "specdec.runtime.serving.calls", "specdec.runtime.serving.scheduler",
+                   "specdec.runtime.serving.worker"}
 
 
 def test_the_model_services_call_only_the_engine_contract():
@@ -294,6 +299,71 @@ def test_the_model_services_call_only_the_engine_contract():
                   if module.split(".")[0] in ("draft_service", "target_service")
                   for target in targets if target.startswith("specdec.runtime") and target not in SERVICE_RUNTIME)
     assert not used, "a model service reaches past the engine contract:\n" + "\n".join(used)
+
+
+# The runtime's rooms (specdec/runtime/__init__.py and each room's docstring): the bottom (the
+# runtime's own modules: the contract and what the engines share), a room per engine, the
+# services' plumbing, and the factory at the top.
+CONTRACT = "specdec.runtime.engine"
+FACTORY = "specdec.runtime.engines"
+ENGINE_ROOMS = ("specdec.runtime.torch", "specdec.runtime.llama_cpp", "specdec.runtime.graph")
+SERVING = "specdec.runtime.serving"
+BOTTOM = "specdec.runtime"
+# what the contract may import of the runtime: the types its methods take
+CONTRACT_TYPES = {"specdec.runtime.kv_cache", "specdec.runtime.session_kv"}
+
+
+def _room(module: str) -> str | None:
+    """The runtime room a module is in (BOTTOM for the runtime's own modules, FACTORY for the
+    factory), None outside the runtime."""
+    if module == FACTORY:
+        return FACTORY
+    for room in (*ENGINE_ROOMS, SERVING):
+        if module == room or module.startswith(room + "."):
+            return room
+    return BOTTOM if module == BOTTOM or module.startswith(BOTTOM + ".") else None
+
+
+def _runtime_allowed(module: str, target: str) -> bool:
+    """Whether runtime `module` may import runtime `target`."""
+    room, target_room = _room(module), _room(target)
+    if module == CONTRACT:
+        return target in CONTRACT_TYPES
+    if room == FACTORY:
+        return target_room != SERVING
+    if room == SERVING:
+        return target_room == SERVING or target == CONTRACT
+    if room == BOTTOM:
+        return target_room == BOTTOM
+    return target_room in (room, BOTTOM)  # an engine: its own room and the bottom
+
+
+def test_the_runtime_rooms_exist_and_say_what_they_may_import():
+    for room in (BOTTOM, *ENGINE_ROOMS, SERVING):
+        doc = ast.get_docstring(ast.parse(MODULES[room].read_text())) or ""
+        assert "Decides:" in doc and "May import" in doc, f"{room}/__init__.py must say what it decides and imports"
+    assert {CONTRACT, FACTORY, "specdec.runtime.torch.engine", "specdec.runtime.llama_cpp.engine",
+            "specdec.runtime.graph.engine", "specdec.runtime.serving.calls"} <= set(MODULES)
+
+
+def test_runtime_rooms_import_only_what_they_may():
+    crossed = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() if _room(module)
+                     for target in targets if _room(target) and not _runtime_allowed(module, target))
+    assert not crossed, "the runtime's rooms cross their bounds:\n" + "\n".join(crossed)
+
+
+def test_the_runtime_room_rules_can_fail():
+    assert not _runtime_allowed("specdec.runtime.graph.engine", "specdec.runtime.torch.batch_cache")
+    assert not _runtime_allowed("specdec.runtime.torch.engine", "specdec.runtime.llama_cpp.engine")
+    assert not _runtime_allowed("specdec.runtime.engine", "specdec.runtime.drafting")
+    assert not _runtime_allowed("specdec.runtime.verification", "specdec.runtime.graph.device_verification")
+    assert not _runtime_allowed("specdec.runtime.drafting", FACTORY)
+    assert not _runtime_allowed("specdec.runtime.serving.calls", "specdec.runtime.torch.engine")
+    assert not _runtime_allowed("specdec.runtime.serving.calls", "specdec.runtime.session_kv")
+    assert not _runtime_allowed(FACTORY, "specdec.runtime.serving.worker")
+    assert _runtime_allowed("specdec.runtime.serving.calls", CONTRACT)
+    assert _runtime_allowed("specdec.runtime.graph.engine", "specdec.runtime.session_engine")
+    assert _runtime_allowed(FACTORY, "specdec.runtime.llama_cpp.engine")
 
 
 def test_no_module_is_over_500_lines():

@@ -18,8 +18,8 @@ import torch
 
 from specdec_cli import tiny
 from specdec.runtime.engines import resolve_backend
-from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
-from specdec.runtime.session_runner import Row
+from specdec.runtime.llama_cpp.engine import LlamaOptions, LlamaCppEngine
+from specdec.runtime.session_kv import Row
 from specdec.maths.sampling import target_probs
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend, SamplingParams
@@ -47,11 +47,11 @@ def gguf_pair(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runner(gguf_pair):
-    runner = LlamaRunner(gguf_pair["target"], 8, 1 << 30, 16, 512,
-                         LlamaOptions(kv_cache_type="f32", kv_cache_tokens=1024))
-    yield runner
-    runner.close()
+def engine(gguf_pair):
+    engine = LlamaCppEngine(gguf_pair["target"], 8, 1 << 30, 16, 512,
+                            LlamaOptions(kv_cache_type="f32", kv_cache_tokens=1024))
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +60,15 @@ def llama_pair_cluster(gguf_pair):
         yield cluster
 
 
-def _ids(runner, text: str) -> list[int]:
-    return runner.tokenizer(text)["input_ids"]
+def _ids(engine, text: str) -> list[int]:
+    return engine.tokenizer(text)["input_ids"]
 
 
-def _fresh(runner, session_id: str):
-    runner.release(session_id)
-    runner.finish(())  # a finished call: the released sequence is cleared
-    entry = runner.new_entry()
-    runner.caches.put(session_id, entry)
+def _fresh(engine, session_id: str):
+    engine.release(session_id)
+    engine.finish(())  # a finished call: the released sequence is cleared
+    entry = engine.new_entry()
+    engine.caches.put(session_id, entry)
     return entry
 
 
@@ -85,28 +85,28 @@ def test_backend_choice():
 
 
 @pytest.mark.unit
-def test_batched_sequences_and_rollback_agree_with_one_session(runner):
-    ids = _ids(runner, " ".join(PROMPTS))
+def test_batched_sequences_and_rollback_agree_with_one_session(engine):
+    ids = _ids(engine, " ".join(PROMPTS))
     assert len(ids) >= 10
-    alone = runner.forward("a", _fresh(runner, "a"), ids, len(ids))  # [n, vocab]
-    assert alone.shape == (len(ids), runner.vocab_size) and alone.dtype == torch.float32
+    alone = engine.forward("a", _fresh(engine, "a"), ids, len(ids))  # [n, vocab]
+    assert alone.shape == (len(ids), engine.vocab_size) and alone.dtype == torch.float32
     # token by token (what target-only decoding runs) against the one forward (what verification runs)
-    entry = _fresh(runner, "b")
-    stepped = torch.cat([runner.forward("b", entry, [t], 1) for t in ids])
+    entry = _fresh(engine, "b")
+    stepped = torch.cat([engine.forward("b", entry, [t], 1) for t in ids])
     assert torch.allclose(stepped, alone, atol=TOLERANCE * float(alone.abs().max()))
     # two sessions of different lengths in one decode
-    first, second = _fresh(runner, "c"), _fresh(runner, "d")
-    together = runner.forward_batch([Row("c", first, ids, len(ids)), Row("d", second, ids[:5], 2)])
+    first, second = _fresh(engine, "c"), _fresh(engine, "d")
+    together = engine.forward_batch([Row("c", first, ids, len(ids)), Row("d", second, ids[:5], 2)])
     assert torch.allclose(together[0], alone, atol=TOLERANCE * float(alone.abs().max()))
     assert torch.allclose(together[1], alone[3:5], atol=TOLERANCE * float(alone.abs().max()))
     # rollback: drop the last positions, run other tokens, then the original ones again
     assert first.crop(4) and len(first) == 4
-    other = runner.forward("c", first, [7, 8, 9], 3)
+    other = engine.forward("c", first, [7, 8, 9], 3)
     assert not torch.allclose(other, alone[4:7])
     assert first.crop(4)
-    again = runner.forward("c", first, ids[4:], len(ids) - 4)
+    again = engine.forward("c", first, ids[4:], len(ids) - 4)
     assert torch.allclose(again, alone[4:], atol=TOLERANCE * float(alone.abs().max()))
-    assert runner.tokens_run > 0 and len(runner.caches) == 4
+    assert engine.tokens_run > 0 and len(engine.caches) == 4
 
 
 #        root                n0 the chain, n1 an alternative under the root; n3 beside n2
@@ -120,68 +120,68 @@ TREE_PARENTS = (0, 0, 1, 1, 2, 3)
 
 
 @pytest.mark.unit
-def test_a_tree_forward_scores_each_node_as_its_path_alone(runner):
+def test_a_tree_forward_scores_each_node_as_its_path_alone(engine):
     """One decode of a tree beside a chain: each node's logits are those of its own path run
     alone (sequence sets mask it to the history and its ancestors); keep_path leaves the session
     holding exactly the history and the accepted path, and frees the spare sequences."""
     from specdec.maths.tree import TokenTree
 
-    history = _ids(runner, PROMPTS[0])
+    history = _ids(engine, PROMPTS[0])
     nodes = (11, 12, 13, 14, 15, 16)
     tree = TokenTree(nodes, TREE_PARENTS)
-    free = len(runner.free)
-    entry, beside = _fresh(runner, "tree"), _fresh(runner, "chain")
-    runner.forward("tree", entry, history[:-2], 1)  # part of the history in the cache already
-    out = runner.forward_batch([Row("tree", entry, history[-2:] + list(nodes), 1 + len(tree), tree),
+    free = len(engine.free)
+    entry, beside = _fresh(engine, "tree"), _fresh(engine, "chain")
+    engine.forward("tree", entry, history[:-2], 1)  # part of the history in the cache already
+    out = engine.forward_batch([Row("tree", entry, history[-2:] + list(nodes), 1 + len(tree), tree),
                                 Row("chain", beside, history, 3)])
-    assert len(runner.free) == free - 2 - 3  # two sessions, three leaves (n4, n5 and n3)
+    assert len(engine.free) == free - 2 - 3  # two sessions, three leaves (n4, n5 and n3)
     scale = TOLERANCE * float(out[0].abs().max())
     for node in range(len(tree)):
         path = [nodes[i] for i in tree.path(node)]
-        alone = runner.forward("alone", _fresh(runner, "alone"), history + path, 1)
+        alone = engine.forward("alone", _fresh(engine, "alone"), history + path, 1)
         assert torch.allclose(out[0][1 + node], alone[0], atol=scale), node
-    root = runner.forward("alone", _fresh(runner, "alone"), history, 1)
+    root = engine.forward("alone", _fresh(engine, "alone"), history, 1)
     assert torch.allclose(out[0][0], root[0], atol=scale)
     # keep n1 -> n4: the session then continues as if history + n1 n4 had been fed
-    runner.keep_path(entry, len(history), [1, 4])
+    engine.keep_path(entry, len(history), [1, 4])
     assert list(entry.tokens) == history + [12, 15] and entry.kv.length == len(history) + 2
-    assert len(runner.free) == free - 3  # the leaves' sequences are free again ("alone" holds one)
-    after = runner.forward("tree", entry, [17], 1)
-    fresh = runner.forward("alone", _fresh(runner, "alone"), history + [12, 15, 17], 1)
+    assert len(engine.free) == free - 3  # the leaves' sequences are free again ("alone" holds one)
+    after = engine.forward("tree", entry, [17], 1)
+    fresh = engine.forward("alone", _fresh(engine, "alone"), history + [12, 15, 17], 1)
     assert torch.allclose(after, fresh, atol=scale)
     # a path of nothing: the history only
-    entry2 = _fresh(runner, "tree2")
-    runner.forward_batch([Row("tree2", entry2, history + list(nodes), 1 + len(tree), tree)])
-    runner.keep_path(entry2, len(history), [])
+    entry2 = _fresh(engine, "tree2")
+    engine.forward_batch([Row("tree2", entry2, history + list(nodes), 1 + len(tree), tree)])
+    engine.keep_path(entry2, len(history), [])
     assert list(entry2.tokens) == history and entry2.kv.length == len(history)
-    assert torch.allclose(runner.forward("tree2", entry2, [17], 1),
-                          runner.forward("alone", _fresh(runner, "alone"), history + [17], 1), atol=scale)
+    assert torch.allclose(engine.forward("tree2", entry2, [17], 1),
+                          engine.forward("alone", _fresh(engine, "alone"), history + [17], 1), atol=scale)
 
 
 @pytest.mark.unit
 def test_released_and_evicted_sequences_are_reused(gguf_pair):
-    runner = LlamaRunner(gguf_pair["target"], 3, 1 << 30, 16, 512,
-                         LlamaOptions(kv_cache_type="f32", kv_cache_tokens=256))
+    engine = LlamaCppEngine(gguf_pair["target"], 3, 1 << 30, 16, 512,
+                            LlamaOptions(kv_cache_type="f32", kv_cache_tokens=256))
     try:
-        free = len(runner.free)
+        free = len(engine.free)
         ids = list(range(1, 41))
         for name in "abcd":  # four sessions, at most three kept
-            entry, feed = runner.begin(name, 0, 0, ids)
-            runner.forward(name, entry, feed, 1)
-            runner.finish(name)
-        assert "a" not in runner.caches and len(runner.caches) == 3
-        assert len(runner.free) == free - 3  # the evicted one's sequence is free again
-        assert runner.release("b")
-        runner.finish(())
-        assert len(runner.free) == free - 2
+            entry, feed = engine.begin(name, 0, 0, ids)
+            engine.forward(name, entry, feed, 1)
+            engine.finish(name)
+        assert "a" not in engine.caches and len(engine.caches) == 3
+        assert len(engine.free) == free - 3  # the evicted one's sequence is free again
+        assert engine.release("b")
+        engine.finish(())
+        assert len(engine.free) == free - 2
         # 256 cells: a 230-token session evicts the two others (40 tokens each) rather than overflow
-        entry, feed = runner.begin("big", 0, 0, list(range(1, 231)))
-        runner.forward("big", entry, feed, 1)
-        runner.finish("big")
-        assert list(runner.caches._entries) == ["big"]
-        assert runner.caches.total_bytes() == 230 * runner.bytes_per_token
+        entry, feed = engine.begin("big", 0, 0, list(range(1, 231)))
+        engine.forward("big", entry, feed, 1)
+        engine.finish("big")
+        assert list(engine.caches._entries) == ["big"]
+        assert engine.caches.total_bytes() == 230 * engine.bytes_per_token
     finally:
-        runner.close()
+        engine.close()
 
 
 @pytest.mark.e2e
@@ -197,26 +197,26 @@ def test_greedy_speculation_equals_target_only_through_llama_cpp(llama_pair_clus
         assert spec.stats.draft_tokens > 0
 
 
-def _greedy_margin(runner, text: str, steps: int) -> float:
+def _greedy_margin(engine, text: str, steps: int) -> float:
     """The smallest top-two logit gap along the target's greedy path from `text`."""
-    entry = _fresh(runner, "margin")
-    logits, gaps = runner.forward("margin", entry, _ids(runner, text), 1), []
+    entry = _fresh(engine, "margin")
+    logits, gaps = engine.forward("margin", entry, _ids(engine, text), 1), []
     for _ in range(steps):
         top = torch.topk(logits[-1], 2)
         gaps.append(float(top.values[0] - top.values[1]))
-        logits = runner.forward("margin", entry, [int(top.indices[0])], 1)
+        logits = engine.forward("margin", entry, [int(top.indices[0])], 1)
     return min(gaps)
 
 
 @pytest.mark.e2e
-def test_batched_sessions_match_their_runs_alone(llama_pair_cluster, runner):
+def test_batched_sessions_match_their_runs_alone(llama_pair_cluster, engine):
     """Eight concurrent requests share the services' batched decodes; each gets its own output.
 
     Which sessions share a decode depends on timing, and llama.cpp's float32 logits move by
     about 1.5e-3 with the batch's shape, so a greedy near-tie could flip: the prompts' paths are
     checked to have no tie that close first."""
     for prompt in PROMPTS:
-        assert _greedy_margin(runner, prompt, NEW_TOKENS) > MIN_MARGIN, prompt
+        assert _greedy_margin(engine, prompt, NEW_TOKENS) > MIN_MARGIN, prompt
     expected = {p: list(llama_pair_cluster.complete(prompt=p, max_new_tokens=NEW_TOKENS, proposer=NONE,
                                                     ignore_eos=True).token_ids) for p in PROMPTS}
     jobs = [(p, g) for p in PROMPTS for g in (2, 4)]
@@ -241,12 +241,12 @@ def test_cache_misses_resend_and_keep_the_output(gguf_pair):
         assert list(first.token_ids) + list(rest.token_ids) == expected
 
 
-def _exact_first_two(runner: LlamaRunner, prompt: list[int], params: SamplingParams):
+def _exact_first_two(engine: LlamaCppEngine, prompt: list[int], params: SamplingParams):
     """P(token 1) and P(token 2) = Σ_t P(t) P(token 2 | t), from the llama.cpp target's logits."""
-    p1 = target_probs(runner.forward("p", _fresh(runner, "p"), prompt, 1), params)[0].double()  # [vocab]
+    p1 = target_probs(engine.forward("p", _fresh(engine, "p"), prompt, 1), params)[0].double()  # [vocab]
     p2 = torch.zeros_like(p1)
     for token in torch.nonzero(p1 > 0).flatten().tolist():
-        logits = runner.forward("p", _fresh(runner, "p"), [*prompt, token], 1)
+        logits = engine.forward("p", _fresh(engine, "p"), [*prompt, token], 1)
         p2 += p1[token] * target_probs(logits, params)[0].double()
     return p1.numpy(), p2.numpy()
 
@@ -255,9 +255,9 @@ def _exact_first_two(runner: LlamaRunner, prompt: list[int], params: SamplingPar
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=6),
                                     SamplingParams(temperature=1.5, top_k=10, top_p=0.95)],
                          ids=["t0.8-topk6", "t1.5-topk10-topp0.95"])
-def test_sampled_tokens_follow_the_llama_cpp_target(llama_pair_cluster, runner, params):
-    prompt = _ids(runner, "ab")
-    p1, p2 = _exact_first_two(runner, prompt, params)
+def test_sampled_tokens_follow_the_llama_cpp_target(llama_pair_cluster, engine, params):
+    prompt = _ids(engine, "ab")
+    p1, p2 = _exact_first_two(engine, prompt, params)
     samples = 600
     counts1, counts2 = np.zeros(len(p1)), np.zeros(len(p1))
     accepted = 0

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specdec.config import TargetConfig
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.engines import engine_from_config
 from specdec.runtime.kv_tier import weights_digest
 from specdec.runtime.prepack import PackedLinear, packing_available, prepack_linears
-from specdec.runtime.session_runner import Row
+from specdec.runtime.session_kv import Row
 
 pytestmark = pytest.mark.unit
 
@@ -17,17 +17,17 @@ needs_packing = pytest.mark.skipif(not packing_available(torch.device("cpu"), to
                                    reason="oneDNN here takes no packed bfloat16 linear (no AVX-512 BF16)")
 
 
-def bfloat16_runner(model: str, prepack: bool):
-    return runner_from_config(TargetConfig(model=model, dtype="bfloat16", prepack=prepack))
+def bfloat16_engine(model: str, prepack: bool):
+    return engine_from_config(TargetConfig(model=model, dtype="bfloat16", prepack=prepack))
 
 
-def decode(runner, prompt: list[int], steps: list[list[int]]) -> list[torch.Tensor]:
+def decode(engine, prompt: list[int], steps: list[list[int]]) -> list[torch.Tensor]:
     """Logits of a prefill, then of each step's tokens in turn (1 token: a decode step; more: a
     verification) -> per call [tokens, vocab]."""
-    entry = runner.new_entry()
-    out = [runner.forward("s", entry, prompt, 1)]
+    entry = engine.new_entry()
+    out = [engine.forward("s", entry, prompt, 1)]
     for tokens in steps:
-        out.append(runner.forward("s", entry, tokens, len(tokens)))
+        out.append(engine.forward("s", entry, tokens, len(tokens)))
     return out
 
 
@@ -45,7 +45,7 @@ def test_packed_linear_is_f_linear_bit_for_bit():
 @needs_packing
 def test_a_prepacked_model_gives_the_plain_models_logits(models):
     path = models["llama"]["target"]
-    packed, plain = bfloat16_runner(path, prepack=True), bfloat16_runner(path, prepack=False)
+    packed, plain = bfloat16_engine(path, prepack=True), bfloat16_engine(path, prepack=False)
     linears = [m for m in packed.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
@@ -54,7 +54,7 @@ def test_a_prepacked_model_gives_the_plain_models_logits(models):
     for a, b in zip(decode(packed, [5, 6, 7, 8], steps), decode(plain, [5, 6, 7, 8], steps)):
         assert torch.equal(a, b)
     # a batched forward of two sessions, too
-    rows = lambda runner: [Row(f"s{i}", runner.new_entry(), tokens, 2)  # noqa: E731
+    rows = lambda engine: [Row(f"s{i}", engine.new_entry(), tokens, 2)  # noqa: E731
                            for i, tokens in enumerate(([1, 2, 3], [4, 5, 6, 7, 8]))]
     for a, b in zip(packed.forward_batch(rows(packed)), plain.forward_batch(rows(plain))):
         assert torch.equal(a, b)
@@ -74,7 +74,7 @@ def test_a_prepacked_models_weights_digest_like_its_values():
 def test_only_bfloat16_cpu_models_are_packed(models):
     assert not packing_available(torch.device("cpu"), torch.float32)
     assert not packing_available(torch.device("meta"), torch.bfloat16)
-    runner = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype="float32", prepack=True))
-    assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
+    engine = engine_from_config(TargetConfig(model=models["llama"]["target"], dtype="float32", prepack=True))
+    assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
     model = torch.nn.Sequential(torch.nn.Linear(32, 16))  # float32: left as it is
     assert isinstance(prepack_linears(model)[0], torch.nn.Linear)

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.config import TargetConfig
-from specdec.distill.heads import HeadsData, proposal_vocabulary, vocab_coverage
+from specdec.distill.heads_training import HeadsData, proposal_vocabulary, vocab_coverage
 from specdec.distill.objectives import TopK
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.engines import engine_from_config
 from specdec.runtime.heads import (META_FILE, PROPOSAL_VOCAB_KEY, WEIGHTS_FILE, HeadsMeta, HeadsMismatch,
                                    load_heads, save_heads, target_identity)
 from specdec.runtime.loader import load_model
@@ -50,16 +50,16 @@ def expected(hf, heads, tokens: list[int], n: int) -> list[tuple[list[int], list
 
 @pytest.mark.parametrize("backend, dtype", [("torch", "float64"), ("graph", "float64"), ("torch", "bfloat16")])
 def test_heads_propose_from_their_vocabulary_only(models, vocab_heads, backend, dtype):
-    runner = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype=dtype, backend=backend,
+    engine = engine_from_config(TargetConfig(model=models["llama"]["target"], dtype=dtype, backend=backend,
                                              kv_cache_bytes=8 << 20, heads=vocab_heads))
-    runner.warm_up()
-    assert runner.heads.vocab_ids.tolist() == VOCAB_IDS  # saved unsorted, kept sorted
+    engine.warm_up()
+    assert engine.heads.vocab_ids.tolist() == VOCAB_IDS  # saved unsorted, kept sorted
     if backend == "torch":  # the vocabulary's rows are packed (or not) like the model's output layer
-        assert type(runner.heads.output_layer.layer) is type(runner.model.get_output_embeddings())
+        assert type(engine.heads.output_layer.layer) is type(engine.model.get_output_embeddings())
     hf = load_model(models["llama"]["target"], dtype).model
     heads = random_heads(hf.config.hidden_size, seed=7).to(hf.dtype)
     g1, g2 = greedy(hf, HISTORY, 2)
-    verification = runner.verification()
+    verification = engine.verification()
     calls = [verification.call("v0", 0, 0, HISTORY, [g1, wrong(g2)], [], SamplingParams(0.0), 0, head_candidates=8),
              verification.call("v1", 0, 0, HISTORY[:6], [], [], SamplingParams(0.0), 0, head_candidates=3)]
     tolerance = 1e-6 if dtype == "float64" else 2e-2

@@ -10,7 +10,7 @@ from specdec.config import DraftConfig, TargetConfig
 from specdec.runtime.loader import load_model
 from specdec.tokenizer import ModelLoadError
 from specdec.runtime.quantize import Int4Linear, Int8Linear
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.engines import engine_from_config
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_e2e_greedy import reference
@@ -48,14 +48,14 @@ def test_int8_linear_is_the_rounded_weights_product():
 
 @pytest.mark.unit
 def test_int8_runner_quantizes_every_linear_and_still_batches(models):
-    runner = runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="bfloat16", quantize="int8"))
-    linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    engine = engine_from_config(DraftConfig(model=models["llama"]["draft"], dtype="bfloat16", quantize="int8"))
+    linears = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
     assert linears and all(isinstance(m, Int8Linear) for m in linears)
-    assert runner.loaded.dtype == torch.bfloat16  # activations and K/V keep the dtype asked for
-    assert runner.kv_spec is not None  # the batched-forward start-up check passed
-    assert runner.vocab_size == 384
-    plain = runner_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32"))
-    a = runner.forward("s", runner.new_entry(), [5, 6, 7, 8], 1).float()
+    assert engine.loaded.dtype == torch.bfloat16  # activations and K/V keep the dtype asked for
+    assert engine.kv_spec is not None  # the batched-forward start-up check passed
+    assert engine.vocab_size == 384
+    plain = engine_from_config(DraftConfig(model=models["llama"]["draft"], dtype="float32"))
+    a = engine.forward("s", engine.new_entry(), [5, 6, 7, 8], 1).float()
     b = plain.forward("s", plain.new_entry(), [5, 6, 7, 8], 1)
     assert a.shape == (1, 384) and torch.allclose(a, b, atol=0.05 * float(b.abs().max()))
 
@@ -63,11 +63,11 @@ def test_int8_runner_quantizes_every_linear_and_still_batches(models):
 @pytest.mark.unit
 def test_int8_is_cpu_only_and_unknown_quantizations_are_refused(models):
     with pytest.raises(ModelLoadError, match="CPU only"):
-        runner_from_config(DraftConfig(model=models["llama"]["draft"], device="cuda", quantize="int8"))
+        engine_from_config(DraftConfig(model=models["llama"]["draft"], device="cuda", quantize="int8"))
     with pytest.raises(ModelLoadError, match="unknown quantization"):
         load_model(models["llama"]["draft"], "float32", quantize="int3")
     with pytest.raises(ModelLoadError, match="CPU only"):
-        runner_from_config(TargetConfig(model=models["llama"]["target"], device="cuda", quantize="int4"))
+        engine_from_config(TargetConfig(model=models["llama"]["target"], device="cuda", quantize="int4"))
 
 
 @pytest.mark.unit
@@ -102,12 +102,12 @@ def test_int4_linear_is_the_grouped_4_bit_weights_product():
 @pytest.mark.unit
 def test_a_target_is_quantized_only_when_asked(models):
     assert TargetConfig().quantize == "none"
-    plain = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype="bfloat16"))
+    plain = engine_from_config(TargetConfig(model=models["llama"]["target"], dtype="bfloat16"))
     assert not any(isinstance(m, (Int8Linear, Int4Linear)) for m in plain.model.modules())
-    runner = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype="bfloat16", quantize="int4"))
-    linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+    engine = engine_from_config(TargetConfig(model=models["llama"]["target"], dtype="bfloat16", quantize="int4"))
+    linears = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
     assert linears and all(isinstance(m, Int4Linear) for m in linears)
-    assert runner.kv_spec is not None  # the batched-forward start-up check passed
+    assert engine.kv_spec is not None  # the batched-forward start-up check passed
 
 
 @pytest.mark.e2e

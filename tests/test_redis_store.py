@@ -15,7 +15,7 @@ import redis
 
 from coordinator.sessions.redis_store import HOLDER_PREFIX, RedisSessionStore, _keys
 from coordinator.sessions.memory_store import MemorySessionStore
-from coordinator.sessions.store import Lease, Placement
+from coordinator.sessions.session_store import Lease, Placement
 from coordinator.sessions.stores import open_store
 from specdec_cli import tiny
 from specdec.errors import FailedPrecondition, NotFound, SessionBusy, Unavailable

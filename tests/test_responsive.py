@@ -61,9 +61,9 @@ def test_health_and_release_answer_while_the_model_is_busy(target):
 
 def test_calls_past_their_deadline_are_dropped_and_the_queue_is_bounded(target):
     stub, _, servicer = target
-    runner = servicer.engine
+    engine = servicer.engine
     _hold_the_model(servicer)
-    before = runner.tokens_run
+    before = engine.tokens_run
     request = target_pb2.VerifyRequest(session_id="late", prefix_len=0, new_tokens=[4, 5], sampling=GREEDY)
     with pytest.raises(grpc.RpcError) as info:
         stub.Verify(request, timeout=0.3)
@@ -80,5 +80,5 @@ def test_calls_past_their_deadline_are_dropped_and_the_queue_is_bounded(target):
     assert int(dict(info.value.trailing_metadata())[RETRY_AFTER_KEY]) > 0
     assert [w.result().num_accepted for w in waiting] == [0, 0]
     # the late call never ran: only the two waiting one-token calls did
-    assert runner.tokens_run - before == 2
-    assert "late" not in runner.caches
+    assert engine.tokens_run - before == 2
+    assert "late" not in engine.caches

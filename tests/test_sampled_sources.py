@@ -31,7 +31,7 @@ from tests.cluster import Cluster
 from tests.test_draft_ahead import AHEAD
 from tests.test_e2e_sampling import PROMPT_IDS, REPEATING_IDS
 from tests.test_e2e_trees import believe_draft_and_lookup
-from tests.test_proposers import proposer
+from tests.test_sources import proposer
 
 pytestmark = pytest.mark.e2e
 

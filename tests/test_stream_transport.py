@@ -15,7 +15,7 @@ from coordinator.sessions.clients import DraftClient, TargetClient
 from specdec import errors
 from specdec.config import DraftConfig, TargetConfig
 from specdec.fingerprint import fingerprint
-from specdec.rpc.server import build_aio_server
+from specdec.rpc.grpc_server import build_aio_server
 from specdec.types import SamplingParams, SparseDist
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from draft_service import server as draft_server

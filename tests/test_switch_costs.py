@@ -10,12 +10,12 @@ import pytest
 
 from coordinator.policy.estimates import CostModel, spread_speedup
 from coordinator.sessions.model_tiers import Tier
-from coordinator.sessions.store import SessionRecord
+from coordinator.sessions.session_store import SessionRecord
 from coordinator.sources.draft_model import catch_up_tokens
 from coordinator.policy.heads_estimates import HeadsAtHand
 from coordinator.policy.session_policy import HEADS_NEXT, Horizon
-from coordinator.policy.speculation import NO_LOOKUP, Speculation
-from specdec.types import Proposer
+from coordinator.policy.speculation import Offers, Speculation
+from specdec.types import Source
 from specdec.v1 import coordinator_pb2
 from tests.cluster import Cluster
 from tests.test_heads_policy import STEP_S, VERIFY_S, pinned_policy
@@ -59,7 +59,7 @@ def test_the_catch_up_is_learnt_beyond_the_draft_steps_and_priced_in_plain_steps
     assert costs.catch_up.w == 0 and costs.relative_catch_up(300) == 0.0
     for n in range(1, 6):
         costs.observe_verify(n, VERIFY_S)
-        costs.observe_propose(Proposer.DRAFT, n, STEP_S * n)
+        costs.observe_propose(Source.DRAFT, n, STEP_S * n)
     assert costs.relative_catch_up(300) == 0.0  # unmeasured: free, as before the fit
     for tokens in (100, 300):
         costs.observe_catch_up(tokens, 4, STEP_S * 4 + PER_TOKEN_S * tokens)
@@ -70,20 +70,20 @@ def test_the_catch_up_is_learnt_beyond_the_draft_steps_and_priced_in_plain_steps
 
 
 @pytest.mark.parametrize("tokens_left, lag, expected", [
-    (32, 300, Proposer.NONE),     # a short answer: the heads, one plain round away, beat catching up
-    (4096, 300, Proposer.DRAFT),  # a long one pays the catch-up off
-    (32, 0, Proposer.DRAFT),      # a draft that holds the history: as before
+    (32, 300, Source.NONE),     # a short answer: the heads, one plain round away, beat catching up
+    (4096, 300, Source.DRAFT),  # a long one pays the catch-up off
+    (32, 0, Source.DRAFT),      # a draft that holds the history: as before
 ], ids=["short-answer", "long-answer", "no-lag"])
 @pytest.mark.unit
 def test_auto_weighs_the_drafts_catch_up_against_reading_the_heads(tokens_left, lag, expected):
     policy = with_catch_up(pinned_policy(HEADS, draft_alpha=0.8, heads_b=0.2))
     choice = policy.choose(max_gamma=8, heads=None, horizon=Horizon(tokens_left, lag, TYPICAL))
     assert choice.source == expected
-    if expected == Proposer.NONE:
+    if expected == Source.NONE:
         assert choice.reason == HEADS_NEXT and choice.speedup > 1.0
-        assert policy.wants_heads(Proposer.AUTO)  # its Verify reads them for the next round
+        assert policy.wants_heads(Source.AUTO)  # its Verify reads them for the next round
         at_hand = policy.choose(max_gamma=8, heads=TYPICAL, horizon=Horizon(tokens_left - 1, lag + 1))
-        assert at_hand.source == Proposer.HEADS  # and the next round takes them, not the lagging draft
+        assert at_hand.source == Source.HEADS  # and the next round takes them, not the lagging draft
 
 
 @pytest.mark.unit
@@ -91,9 +91,9 @@ def test_a_short_answer_left_is_not_worth_any_catch_up():
     """Without heads the choice is the draft or plain decoding: a lagging draft with few tokens left
     decodes plainly, with many it catches up; an unmeasured catch-up prices as before."""
     policy = with_catch_up(pinned_policy(None, draft_alpha=0.8))
-    assert policy.choose(max_gamma=3, horizon=Horizon(4, 600)).source == Proposer.NONE
-    assert policy.choose(max_gamma=8, horizon=Horizon(2000, 600)).source == Proposer.DRAFT
-    assert pinned_policy(None, draft_alpha=0.8).choose(max_gamma=3, horizon=Horizon(4, 600)).source == Proposer.DRAFT
+    assert policy.choose(max_gamma=3, horizon=Horizon(4, 600)).source == Source.NONE
+    assert policy.choose(max_gamma=8, horizon=Horizon(2000, 600)).source == Source.DRAFT
+    assert pinned_policy(None, draft_alpha=0.8).choose(max_gamma=3, horizon=Horizon(4, 600)).source == Source.DRAFT
 
 
 @pytest.mark.unit
@@ -108,22 +108,22 @@ def test_heads_next_needs_a_round_after_this_one_and_heads_that_beat_plain_decod
 def test_only_adaptive_requests_weigh_switching():
     """A request that names its source (or γ) gets it: the horizon is auto's."""
     spec = Speculation(8, 4, cost_ratio=0.0)
-    horizon = Horizon(4, 600)
-    for name, mode, gamma in (("d", Proposer.DRAFT, None), ("g", Proposer.AUTO, 4)):
+    lagging = Offers(draft_lag=600)  # 4 tokens left (below)
+    for name, mode, gamma in (("d", Source.DRAFT, None), ("g", Source.AUTO, 4)):
         request = spec.start(name, mode, gamma)
-        request.policy.seed(Proposer.DRAFT, 0.8, 10_000)
+        request.policy.seed(Source.DRAFT, 0.8, 10_000)
         with_catch_up(_measured(request.policy))
-        assert request.plan(NO_LOOKUP, 3, True, horizon=horizon).source == Proposer.DRAFT
-    auto = spec.start("a", Proposer.AUTO, None)
-    auto.policy.seed(Proposer.DRAFT, 0.8, 10_000)
+        assert request.plan(lagging, 3, tokens_left=4).source == Source.DRAFT
+    auto = spec.start("a", Source.AUTO, None)
+    auto.policy.seed(Source.DRAFT, 0.8, 10_000)
     with_catch_up(_measured(auto.policy))
-    assert auto.plan(NO_LOOKUP, 3, True, horizon=horizon).source == Proposer.NONE
+    assert auto.plan(lagging, 3, tokens_left=4).source == Source.NONE
 
 
 def _measured(policy):
     for n in range(1, 10):
         policy.costs.observe_verify(n, VERIFY_S)
-        policy.costs.observe_propose(Proposer.DRAFT, n, STEP_S * n)
+        policy.costs.observe_propose(Source.DRAFT, n, STEP_S * n)
     return policy
 
 
@@ -137,7 +137,7 @@ def test_the_round_loop_learns_the_catch_up_from_the_drafts_calls(models):
         loop = cluster.coordinator.round_loop
         costs = loop.speculation.estimates(loop.speculation.draft_model).costs
         cluster.complete(prompt="def fibonacci(n):", **request)  # its first call is unmeasured: no step fit yet
-        assert costs.propose[Proposer.DRAFT].w > 0 and costs.catch_up.w == 0
+        assert costs.propose[Source.DRAFT].w > 0 and costs.catch_up.w == 0
         response = cluster.complete(prompt="class Stack:\n    def __init__(self):\n        self.items = []\n", **request)
         assert costs.catch_up.w == 1 and costs.catch_up.sx >= len("class Stack:")  # byte-level: a token a byte
         assert costs.relative_catch_up(100) > 0 and response.stats.draft_rounds > 1
@@ -151,11 +151,11 @@ def test_a_probe_of_a_draft_that_would_catch_up_waits_for_a_round_where_it_holds
     lagging = Horizon(64, 300)
     for _ in range(policy.config.probe_interval + 2):
         choice = policy.choose(max_gamma=8, heads=TYPICAL, horizon=lagging)
-        assert (choice.source, choice.reason) == (Proposer.HEADS, "best")
-    assert policy.sources[Proposer.DRAFT].clock.idle > policy.sources[Proposer.DRAFT].clock.interval  # it is due
+        assert (choice.source, choice.reason) == (Source.HEADS, "best")
+    assert policy.sources[Source.DRAFT].clock.idle > policy.sources[Source.DRAFT].clock.interval  # it is due
     unmeasured = pinned_policy([0.9, 0.8, 0.7], draft_alpha=0.5, heads_b=0.2)  # a catch-up not measured: free
     for _ in range(unmeasured.config.probe_interval):
         unmeasured.choose(max_gamma=8, heads=TYPICAL, horizon=lagging)
     assert unmeasured.choose(max_gamma=8, heads=TYPICAL, horizon=lagging).reason == "probe"
     probe = policy.choose(max_gamma=8, heads=TYPICAL, horizon=Horizon(64, 0))
-    assert (probe.source, probe.reason) == (Proposer.DRAFT, "probe")
+    assert (probe.source, probe.reason) == (Source.DRAFT, "probe")

@@ -13,7 +13,7 @@ import torch
 
 from specdec.config import TargetConfig
 from specdec.rpc.convert import model_info_from_pb, model_info_to_pb
-from specdec.runtime.engines import runner_from_config
+from specdec.runtime.engines import engine_from_config
 from specdec.runtime.heads import HeadsMeta, HeadsMismatch, MedusaHeads, save_heads, target_identity
 from specdec.runtime.loader import load_model
 from specdec.tokenizer import ModelLoadError
@@ -205,7 +205,7 @@ def test_heads_of_another_model_are_refused_at_start(models, heads_dirs):
 
     for backend in ("torch", "graph"):
         with pytest.raises(HeadsMismatch, match="were trained for another model"):
-            runner_from_config(TargetConfig(model=models["llama"]["target"], dtype="float32", backend=backend,
+            engine_from_config(TargetConfig(model=models["llama"]["target"], dtype="float32", backend=backend,
                                             kv_cache_bytes=8 << 20, heads=heads_dirs["draft"]))
     with pytest.raises(SystemExit) as exit_:  # the command: one line, no traceback
         main(["serve", "target", "--model", models["llama"]["target"], "--dtype", "float32",
@@ -218,7 +218,7 @@ def test_heads_of_another_model_are_refused_at_start(models, heads_dirs):
 @pytest.mark.unit
 def test_llama_cpp_refuses_heads(heads_dirs):
     with pytest.raises(ModelLoadError, match="--heads needs the target's hidden states"):
-        runner_from_config(TargetConfig(model="model.gguf", backend="llama.cpp", heads=heads_dirs["target"]))
+        engine_from_config(TargetConfig(model="model.gguf", backend="llama.cpp", heads=heads_dirs["target"]))
 
 
 @pytest.mark.unit
@@ -226,11 +226,11 @@ def test_llama_cpp_refuses_heads(heads_dirs):
 def test_heads_load_on_packed_and_quantized_targets(models, heads_dirs, dtype, quantize):
     """The identity check reads the output layer before it is packed or quantized; the heads then
     share the layer as served (warm-up runs them once)."""
-    runner = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype=dtype, quantize=quantize,
+    engine = engine_from_config(TargetConfig(model=models["llama"]["target"], dtype=dtype, quantize=quantize,
                                              heads=heads_dirs["target"]))
-    runner.warm_up()
-    assert runner.description.num_heads == NUM_HEADS
-    assert runner.heads.heads.blocks[0].weight.dtype == runner.loaded.dtype
+    engine.warm_up()
+    assert engine.description.num_heads == NUM_HEADS
+    assert engine.heads.heads.blocks[0].weight.dtype == engine.loaded.dtype
 
 
 @pytest.mark.unit
@@ -251,13 +251,13 @@ def test_the_dynamic_cache_path_hands_out_hidden_states_too(models, heads_dirs):
     still come from its own forward."""
     from specdec.types import SamplingParams
 
-    runner = runner_from_config(TargetConfig(model=models["llama"]["target"], dtype="float64",
+    engine = engine_from_config(TargetConfig(model=models["llama"]["target"], dtype="float64",
                                              heads=heads_dirs["target"]))
-    runner.kv_spec = None  # as a model that keeps a DynamicCache per session
+    engine.kv_spec = None  # as a model that keeps a DynamicCache per session
     hf = load_model(models["llama"]["target"], "float64").model
     heads = random_heads(hf.config.hidden_size, seed=7).double()
     g1, g2 = greedy(hf, HISTORY, 2)
-    verification = runner.verification()
+    verification = engine.verification()
     calls = [verification.call("d0", 0, 0, HISTORY, [g1, wrong(g2)], [], SamplingParams(0.0), 0, head_candidates=3),
              verification.call("d1", 0, 0, HISTORY[:6], [], [], SamplingParams(0.0), 0, head_candidates=2)]
     first, second = verification.verify_batch(calls)

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.maths.sampling import target_probs
-from specdec.runtime.batch_cache import ancestor_mask
+from specdec.runtime.torch.batch_cache import ancestor_mask
 from specdec.maths.tree import TokenTree, graft, subtree
 from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from specdec.types import SamplingParams

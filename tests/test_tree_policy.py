@@ -9,7 +9,7 @@ from coordinator.policy.estimates import CostModel, expected_tokens, tree_budget
 from coordinator.policy.session_policy import PolicyConfig, SessionPolicy
 from coordinator.policy.speculation import FixedCosts, Speculation, auto_tree_budget
 from specdec.maths.tree import TokenTree
-from specdec.types import Proposer, Trees
+from specdec.types import Source, Trees
 from tests.planning import plan_round
 
 pytestmark = pytest.mark.unit
@@ -39,9 +39,9 @@ def pinned_policy(alpha: float, verify_slope: float, max_gamma: int = 8) -> Sess
     costs = CostModel(decay=1.0)
     for n in range(1, max_gamma + 2):
         costs.observe_verify(n, VERIFY_S + verify_slope * (n - 1))
-        costs.observe_propose(Proposer.DRAFT, n, STEP_S * n)
+        costs.observe_propose(Source.DRAFT, n, STEP_S * n)
     policy = SessionPolicy(PolicyConfig(max_gamma=max_gamma), costs)
-    policy.seed(Proposer.DRAFT, alpha, 10_000)
+    policy.seed(Source.DRAFT, alpha, 10_000)
     return policy
 
 
@@ -51,7 +51,7 @@ def choose(policy: SessionPolicy, max_tree_nodes: int = 8, **kw):
 
 def test_a_flat_verify_curve_and_an_unsure_draft_choose_a_tree():
     choice = choose(pinned_policy(UNSURE, 0.0))
-    assert choice.source == Proposer.DRAFT and choice.tree_nodes > choice.gamma
+    assert choice.source == Source.DRAFT and choice.tree_nodes > choice.gamma
     chain = choose(pinned_policy(UNSURE, 0.0), max_tree_nodes=0)
     assert chain.tree_nodes == 0 and choice.speedup > chain.speedup
 
@@ -60,7 +60,7 @@ def test_a_flat_verify_curve_and_an_unsure_draft_choose_a_tree():
                          ids=["steep-unsure", "flat-sure", "steep-sure"])
 def test_a_steep_verify_curve_or_a_sure_draft_choose_a_chain(alpha, slope):
     choice = choose(pinned_policy(alpha, slope))
-    assert choice.source == Proposer.DRAFT and choice.gamma > 0 and choice.tree_nodes == 0
+    assert choice.source == Source.DRAFT and choice.gamma > 0 and choice.tree_nodes == 0
 
 
 def test_trees_cannot_exceed_the_rounds_cap():
@@ -70,7 +70,7 @@ def test_trees_cannot_exceed_the_rounds_cap():
 
 def test_a_fixed_gamma_is_a_chain():
     choice = choose(pinned_policy(UNSURE, 0.0), fixed_gamma=3)
-    assert tuple(choice) == (Proposer.DRAFT, 3) and choice.tree_nodes == 0
+    assert tuple(choice) == (Source.DRAFT, 3) and choice.tree_nodes == 0
 
 
 def test_the_measured_branch_acceptance_moves_the_choice():
@@ -94,13 +94,13 @@ def test_auto_tree_budget_only_where_the_pair_and_the_request_allow():
 def flat_speculation(trees: Trees = Trees.AUTO) -> Speculation:
     """Leviathan's flat verification (pinned c) and an unsure draft over all sessions."""
     spec = Speculation(8, 4, cost_ratio=0.1, trees=trees)
-    prior = spec.priors[Proposer.DRAFT]
+    prior = spec.priors[Source.DRAFT]
     prior.successes, prior.trials, prior.rounds = UNSURE * 1000, 1000.0, 100
     return spec
 
 
 def plans(spec: Speculation, rounds: int = 20, **start):
-    request = spec.start("s", start.pop("mode", Proposer.AUTO), start.pop("fixed_gamma", None), **start)
+    request = spec.start("s", start.pop("mode", Source.AUTO), start.pop("fixed_gamma", None), **start)
     history = list(range(50))  # no repeats: prompt lookup finds nothing
     return [plan_round(request, history, 8, True) for _ in range(rounds)]
 
@@ -111,7 +111,7 @@ def test_auto_requests_get_trees_and_a_chain_only_pair_or_off_never():
     assert not any(p.tree_nodes for p in plans(flat_speculation(Trees.OFF), pair_grows_trees=True))
     assert not any(p.tree_nodes for p in plans(flat_speculation(), pair_grows_trees=True, tree_nodes=1))
     assert all(p.tree_nodes == 6 for p in plans(flat_speculation(Trees.OFF), pair_grows_trees=True,
-                                                tree_nodes=6, mode=Proposer.DRAFT, fixed_gamma=3))
+                                                tree_nodes=6, mode=Source.DRAFT, fixed_gamma=3))
 
 
 @pytest.mark.parametrize("cap", [1, 2, 3])
@@ -122,21 +122,21 @@ def test_a_tree_reaches_no_deeper_than_the_room_left(cap):
     spec = flat_speculation()
     believing = spec.policy("s")  # a sure draft, and lookup believed enough to graft its tokens on
     believing.draft_prior = None
-    believing.seed(Proposer.DRAFT, 0.9, 10_000)
-    believing.seed(Proposer.PROMPT_LOOKUP, 0.5, 10_000)
-    request = spec.start("s", Proposer.AUTO, None, tree_nodes=8, pair_grows_trees=True)
+    believing.seed(Source.DRAFT, 0.9, 10_000)
+    believing.seed(Source.PROMPT_LOOKUP, 0.5, 10_000)
+    request = spec.start("s", Source.AUTO, None, tree_nodes=8, pair_grows_trees=True)
     history = [1, 2, 3, 4, 5] * 6  # prompt lookup's continuations are long
     for plan in [plan_round(request, history, cap, True) for _ in range(10)]:
-        assert plan.source == Proposer.DRAFT and plan.tree_nodes == 8 and 0 < plan.gamma <= cap
+        assert plan.source == Source.DRAFT and plan.tree_nodes == 8 and 0 < plan.gamma <= cap
         assert plan.branches and all(len(branch) <= cap for branch in plan.branches)
 
 
 def test_prompt_lookup_rounds_are_never_trees():
     spec = flat_speculation()
-    request = spec.start("s", Proposer.PROMPT_LOOKUP, None, pair_grows_trees=True)
+    request = spec.start("s", Source.PROMPT_LOOKUP, None, pair_grows_trees=True)
     history = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
     planned = [plan_round(request, history, 8, True) for _ in range(10)]
-    assert {p.source for p in planned} == {Proposer.PROMPT_LOOKUP} and not any(p.tree_nodes for p in planned)
+    assert {p.source for p in planned} == {Source.PROMPT_LOOKUP} and not any(p.tree_nodes for p in planned)
 
 
 def test_a_tree_round_feeds_the_spine_to_alpha_and_its_alternatives_to_b():
@@ -147,13 +147,13 @@ def test_a_tree_round_feeds_the_spine_to_alpha_and_its_alternatives_to_b():
     #   n3              the spine
     tree = TokenTree((5, 6, 7, 8), (0, 0, 0, 1))
     spec = Speculation(8, 4, cost_ratio=0.1, trees=Trees.AUTO)
-    request = spec.start("s", Proposer.AUTO, None, pair_grows_trees=True)
-    request.observe(Proposer.DRAFT, 4, 1, propose_seconds=None, verify_seconds=None, verified_tokens=5,
+    request = spec.start("s", Source.AUTO, None, pair_grows_trees=True)
+    request.observe(Source.DRAFT, 4, 1, propose_seconds=None, verify_seconds=None, verified_tokens=5,
                     tree=tree, accepted_nodes=(2,))  # the spine's n0 rejected, n1 tried, n2 accepted
-    own = request.policy.sources[Proposer.DRAFT].acceptance
+    own = request.policy.sources[Source.DRAFT].acceptance
     assert (own.successes, own.trials) == (0, 1)  # the spine: 0 of 2 accepted, one failure
     assert (spec.branch.successes, spec.branch.trials) == (1, 2)
-    request.observe(Proposer.DRAFT, 4, 2, propose_seconds=None, verify_seconds=None, verified_tokens=5,
+    request.observe(Source.DRAFT, 4, 2, propose_seconds=None, verify_seconds=None, verified_tokens=5,
                     tree=tree, accepted_nodes=(0, 3))  # the whole spine
     assert (own.successes, own.trials) == (pytest.approx(2), pytest.approx(2.9)) and spec.branch.trials == 2
 
@@ -164,8 +164,8 @@ def test_pinned_costs_price_a_tree_by_its_depth():
     measured = CostModel(decay=1.0)
     for n in (1, 5):
         measured.observe_verify(n, 0.1 + 0.02 * (n - 1))
-    measured.observe_propose(Proposer.DRAFT, 2, 0.02)
-    measured.observe_propose(Proposer.DRAFT, 4, 0.04)
+    measured.observe_propose(Source.DRAFT, 2, 0.02)
+    measured.observe_propose(Source.DRAFT, 4, 0.04)
     # (t_propose(2) + t_verify(9)) / t_verify(1) = (0.02 + 0.26) / 0.1
     assert measured.relative_tree_cost(2, 8) == pytest.approx(2.8)
 
@@ -177,18 +177,18 @@ def test_tree_rounds_are_timed_apart_from_the_chains_steps():
     for n in (1, 5):
         costs.observe_verify(n, 0.1 + 0.02 * (n - 1))
     policy = SessionPolicy(PolicyConfig(max_gamma=8), costs)
-    policy.observe(Proposer.DRAFT, 2, 2, propose_seconds=0.02)  # chains: 0.01 s a step
-    policy.observe(Proposer.DRAFT, 4, 4, propose_seconds=0.04)
-    chain_before = costs.relative_cost(Proposer.DRAFT, 4)
+    policy.observe(Source.DRAFT, 2, 2, propose_seconds=0.02)  # chains: 0.01 s a step
+    policy.observe(Source.DRAFT, 4, 4, propose_seconds=0.04)
+    chain_before = costs.relative_cost(Source.DRAFT, 4)
     assert costs.relative_tree_cost(2, 8) == pytest.approx((0.02 + 0.26) / 0.1)  # priced as chain steps
-    policy.observe(Proposer.DRAFT, 2, 1, propose_seconds=0.06, tree=True)  # trees: 0.03 s a depth
-    policy.observe(Proposer.DRAFT, 4, 4, propose_seconds=0.12, tree=True)
-    assert costs.relative_cost(Proposer.DRAFT, 4) == chain_before
+    policy.observe(Source.DRAFT, 2, 1, propose_seconds=0.06, tree=True)  # trees: 0.03 s a depth
+    policy.observe(Source.DRAFT, 4, 4, propose_seconds=0.12, tree=True)
+    assert costs.relative_cost(Source.DRAFT, 4) == chain_before
     assert costs.relative_tree_cost(2, 8) == pytest.approx((0.06 + 0.26) / 0.1)
     # through the planner: a tree round's time is its spine's depth in the tree fit
     spec = Speculation(8, 4, trees=Trees.AUTO)
-    request = spec.start("s", Proposer.AUTO, None, pair_grows_trees=True)
+    request = spec.start("s", Source.AUTO, None, pair_grows_trees=True)
     tree = TokenTree((5, 6, 7, 8), (0, 0, 0, 1))
-    request.observe(Proposer.DRAFT, 4, 2, propose_seconds=0.05, verify_seconds=None, verified_tokens=5,
+    request.observe(Source.DRAFT, 4, 2, propose_seconds=0.05, verify_seconds=None, verified_tokens=5,
                     tree=tree, accepted_nodes=(0, 3))
-    assert spec.costs.tree_propose.w == 1.0 and spec.costs.propose[Proposer.DRAFT].w == 0.0
+    assert spec.costs.tree_propose.w == 1.0 and spec.costs.propose[Source.DRAFT].w == 0.0

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.stats import GenerationStats
 from specdec.metrics import Metrics
 from specdec.maths.tree import TokenTree, TreeOutcome, tree_outcome
-from specdec.types import Proposer
+from specdec.types import Source
 
 pytestmark = pytest.mark.unit
 
@@ -55,8 +55,8 @@ def test_a_grafted_branch_is_not_the_drafts_alternative(accepted, outcome):
 
 def test_stats_count_the_grafted_lookup_branch():
     stats = GenerationStats()
-    stats.record_round(8, 2, Proposer.DRAFT, tree=GRAFTED, accepted_nodes=(6, 7), lookup_nodes=2)
-    stats.record_round(8, 2, Proposer.DRAFT, tree=GRAFTED, accepted_nodes=(0, 3), lookup_nodes=2)
+    stats.record_round(8, 2, Source.DRAFT, tree=GRAFTED, accepted_nodes=(6, 7), lookup_nodes=2)
+    stats.record_round(8, 2, Source.DRAFT, tree=GRAFTED, accepted_nodes=(0, 3), lookup_nodes=2)
     assert (stats.tree_lookup_tokens, stats.tree_lookup_accepted_tokens) == (4, 2)
     assert stats.tree_branch_accepted_tokens == 2 + 1  # off the draft's chain: n6 n7, then n3
     # a spine leaf's grafted child: the spine stays the draft's own
@@ -66,10 +66,10 @@ def test_stats_count_the_grafted_lookup_branch():
 
 def test_stats_count_tree_rounds_by_hand():
     stats = GenerationStats()
-    stats.record_round(6, 3, Proposer.DRAFT, tree=TREE, accepted_nodes=(0, 2, 5))
-    stats.record_round(6, 2, Proposer.DRAFT, tree=TREE, accepted_nodes=(1, 4))
-    stats.record_round(6, 0, Proposer.DRAFT, tree=TREE, accepted_nodes=())
-    stats.record_round(4, 2, Proposer.DRAFT)  # a chain round
+    stats.record_round(6, 3, Source.DRAFT, tree=TREE, accepted_nodes=(0, 2, 5))
+    stats.record_round(6, 2, Source.DRAFT, tree=TREE, accepted_nodes=(1, 4))
+    stats.record_round(6, 0, Source.DRAFT, tree=TREE, accepted_nodes=())
+    stats.record_round(4, 2, Source.DRAFT)  # a chain round
     stats.generated_tokens = 3 + 1 + 2 + 1 + 0 + 1 + 2 + 1
     assert (stats.rounds, stats.draft_rounds, stats.tree_rounds) == (4, 4, 3)
     assert (stats.draft_tokens, stats.tree_draft_tokens) == (22, 18)
@@ -96,9 +96,9 @@ def scraped(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 
 def test_metrics_count_tree_rounds_by_hand():
     metrics = Metrics("coordinator")
-    metrics.record_round(Proposer.DRAFT, 6, 3, tree=True)
-    metrics.record_round(Proposer.DRAFT, 6, 1, tree=True)
-    metrics.record_round(Proposer.DRAFT, 4, 4)  # a chain round: not a tree's
+    metrics.record_round(Source.DRAFT, 6, 3, tree=True)
+    metrics.record_round(Source.DRAFT, 6, 1, tree=True)
+    metrics.record_round(Source.DRAFT, 4, 4)  # a chain round: not a tree's
     values = scraped(metrics)
     assert values["specdec_num_tree_drafts_total", ()] == 2
     assert values["specdec_num_tree_draft_tokens_total", ()] == 12

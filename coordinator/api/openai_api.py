@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from specdec import errors, fields
 from specdec.rpc.security import bearer_token
-from specdec.types import Proposer, SamplingParams, TokenLogprobs
+from specdec.types import Source, SamplingParams, TokenLogprobs
 
 from coordinator.round_loop import RoundLoop
 from coordinator.api.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -257,7 +257,7 @@ class OpenAIApi:
                 temperature=SamplingParams.temperature if body.temperature is None else body.temperature,
                 top_k=body.top_k or 0, top_p=SamplingParams.top_p if body.top_p is None else body.top_p),
             seed=body.seed, max_new_tokens=max_tokens, num_speculative_tokens=body.num_speculative_tokens,
-            stop=stop, ignore_eos=body.ignore_eos, proposer=Proposer(body.proposer) if body.proposer else None,
+            stop=stop, ignore_eos=body.ignore_eos, proposer=Source(body.proposer) if body.proposer else None,
             cache_salt=body.cache_salt, top_logprobs=body.top_logprobs_asked(), tree_nodes=body.tree_nodes,
             **inputs)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.rpc.convert import logprobs_to_pb, sampling_from_pb
 from specdec.rpc.status import map_errors
-from specdec.types import Proposer
+from specdec.types import Source
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from coordinator.round_loop import RoundLoop
@@ -23,15 +23,15 @@ FINISH_TO_PB = {
 
 PROPOSER_FROM_PB = {
     coordinator_pb2.PROPOSER_UNSPECIFIED: None,
-    coordinator_pb2.PROPOSER_AUTO: Proposer.AUTO,
-    coordinator_pb2.PROPOSER_DRAFT: Proposer.DRAFT,
-    coordinator_pb2.PROPOSER_NGRAM: Proposer.PROMPT_LOOKUP,  # the wire keeps its old name
-    coordinator_pb2.PROPOSER_NONE: Proposer.NONE,
-    coordinator_pb2.PROPOSER_HEADS: Proposer.HEADS,
+    coordinator_pb2.PROPOSER_AUTO: Source.AUTO,
+    coordinator_pb2.PROPOSER_DRAFT: Source.DRAFT,
+    coordinator_pb2.PROPOSER_NGRAM: Source.PROMPT_LOOKUP,  # the wire keeps its old name
+    coordinator_pb2.PROPOSER_NONE: Source.NONE,
+    coordinator_pb2.PROPOSER_HEADS: Source.HEADS,
 }
 
 
-def proposer_from_pb(value: int) -> Proposer | str | None:
+def proposer_from_pb(value: int) -> Source | str | None:
     """The proposer's name; an unknown enum number stays visible for the round loop to refuse."""
     return PROPOSER_FROM_PB.get(value, f"unknown enum value {value}")
 

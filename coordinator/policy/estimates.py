@@ -9,9 +9,9 @@ import copy
 from typing import Sequence
 
 from specdec.maths.tree import TREE_WIDTH
-from specdec.types import Proposer
+from specdec.types import Source
 
-SOURCES = (Proposer.DRAFT, Proposer.PROMPT_LOOKUP, Proposer.HEADS)  # the sources that propose tokens
+SOURCES = (Source.DRAFT, Source.PROMPT_LOOKUP, Source.HEADS)  # the sources that propose tokens
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -217,7 +217,7 @@ class CostModel:
         target's and the coordinator's own, shared with it), fits of its own for the draft's
         steps and trees (a pinned cost ratio stays pinned)."""
         other = copy.copy(self)
-        other.propose = {**self.propose, Proposer.DRAFT: LinearFit(self.verify.decay, "proportional")}
+        other.propose = {**self.propose, Source.DRAFT: LinearFit(self.verify.decay, "proportional")}
         other.tree_propose = LinearFit(self.verify.decay, "proportional")
         other.catch_up = LinearFit(self.verify.decay, "proportional")
         return other
@@ -225,7 +225,7 @@ class CostModel:
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.observe(tokens, seconds)
 
-    def observe_propose(self, source: Proposer, gamma: int, seconds: float) -> None:
+    def observe_propose(self, source: Source, gamma: int, seconds: float) -> None:
         self.propose[source].observe(gamma, seconds)
 
     def observe_tree_propose(self, depth: int, seconds: float) -> None:
@@ -236,7 +236,7 @@ class CostModel:
         """A draft call that first prefilled `tokens` history tokens it lacked, then proposed γ,
         took `seconds`: the part beyond the fitted t_propose(γ) is the catch-up's (left out while
         the draft's steps are unmeasured: the catch-up could not be told apart)."""
-        propose = self.propose[Proposer.DRAFT].predict(gamma)
+        propose = self.propose[Source.DRAFT].predict(gamma)
         if propose is not None and tokens > 0:
             self.catch_up.observe(tokens, max(0.0, seconds - propose))
 
@@ -246,7 +246,7 @@ class CostModel:
         seconds, t1 = self.catch_up.predict(tokens) if tokens > 0 else None, self.verify_seconds(1, load)
         return seconds / t1 if seconds is not None and t1 else 0.0
 
-    def relative_cost(self, source: Proposer, gamma: int, load: int = 1) -> float:
+    def relative_cost(self, source: Source, gamma: int, load: int = 1) -> float:
         """(t_propose(γ) + t_verify(load·(γ + 1))) / t_verify(load): a round's cost in plain-decode
         steps when `load` alike sessions share the target's batches.
 
@@ -259,7 +259,7 @@ class CostModel:
         not measured yet)."""
         return self.verify.predict(max(1, load) * tokens)
 
-    def steps_within(self, source: Proposer, seconds: float) -> int | None:
+    def steps_within(self, source: Source, seconds: float) -> int | None:
         """The most proposal steps of `source` that take at most `seconds` (None: not measured)."""
         propose = self.propose[source].coefficients()
         if propose is None or propose[1] <= 0:
@@ -272,19 +272,19 @@ class CostModel:
         the tree rounds' own fit once it has one, else from the chains' steps. Unmeasured: as
         `relative_cost` for the draft's `depth` steps (verification flat)."""
         tree = self.tree_propose.coefficients()
-        return self._relative(Proposer.DRAFT, [(depth, nodes + 1)], load, tree)[0]
+        return self._relative(Source.DRAFT, [(depth, nodes + 1)], load, tree)[0]
 
     def relative_heads_cost(self, nodes: int, load: int = 1) -> float:
         """t_verify(load·(nodes + 1)) / t_verify(load): a round proposing the target's heads'
         tree of `nodes` nodes in plain-decode steps; it makes no model call but the Verify
         (the heads were read in the round before). Unmeasured: 1 (verification flat)."""
-        return self._relative(Proposer.HEADS, [(0, nodes + 1)], load)[0]
+        return self._relative(Source.HEADS, [(0, nodes + 1)], load)[0]
 
-    def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
+    def relative_costs(self, source: Source, max_gamma: int, load: int = 1) -> list[float]:
         """`relative_cost(source, γ, load)` for γ = 0 .. max_gamma (the fits solved once)."""
         return [1.0] + self._relative(source, [(gamma, gamma + 1) for gamma in range(1, max_gamma + 1)], load)
 
-    def _relative(self, source: Proposer, rounds: list[tuple[int, int]], load: int,
+    def _relative(self, source: Source, rounds: list[tuple[int, int]], load: int,
                   propose: tuple[float, float] | None = None) -> list[float]:
         """Per (proposal steps, verified tokens) of a round, (t_propose(steps) +
         t_verify(load·verified)) / t_verify(load), the fits solved once (`propose`: t_propose's
@@ -292,7 +292,7 @@ class CostModel:
         verify, propose = self.verify.coefficients(), propose or self.propose[source].coefficients()
         load = max(1, load)
         t1 = None if verify is None else verify[0] + verify[1] * load
-        default = self.default_cost_ratio if source == Proposer.DRAFT else 0.0
+        default = self.default_cost_ratio if source == Source.DRAFT else 0.0
         if t1 is None or t1 <= 0:
             return [1.0 + default * steps for steps, _ in rounds]
         return [((default * steps * t1 if propose is None else propose[0] + propose[1] * steps)

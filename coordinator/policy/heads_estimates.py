@@ -2,7 +2,7 @@
 
 A target serving heads returns, with a Verify that asks, each head's top candidates for the
 tokens past the one it chose; the next round may verify them as a token tree
-(coordinator/sources/heads.py builds it: depth d from head d, nodes by path score). That round
+(coordinator/sources/heads_source.py builds it: depth d from head d, nodes by path score). That round
 makes no model call but the Verify: it costs t_verify(n + 1) for n nodes and no proposal time.
 
 What it commits is priced with the token-tree model the draft's trees use

@@ -30,7 +30,7 @@ What a trial costs is the time spent in the losing mode, so:
   every few minutes, not every `hold_s`;
 - the load counted is the adaptive `auto` generations only: requests that fix γ or the source
   are never switched, so trials among them would compare nothing.
-A single stream is left to its own policy. Requests that fix γ or the proposer are never
+A single stream is left to its own policy. Requests that fix γ or the source are never
 overridden.
 """
 

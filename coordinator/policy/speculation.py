@@ -1,27 +1,19 @@
 """Each round's plan: which source proposes (draft model, prompt lookup, the target's heads, none)
 and how many tokens.
 
-`Speculation` is one per coordinator: the round-cost model shared by all sessions, the
-acceptance per source over all sessions (a new session starts from it rather than spending
-warm-up rounds on each source) and, per session, a `SessionPolicy` (its own acceptance
-estimates per source), kept in a bounded LRU so a continued session keeps what it learnt. `Speculation.start(...)` gives a request its
-`RequestSpeculation`, which holds the request's override (proposer, fixed γ).
+`Speculation` is one per coordinator: the round-cost model and the acceptance per source over
+all sessions (a new session starts from it instead of warming up each source) and, per session
+in a bounded LRU, a `SessionPolicy`. `Speculation.start(...)` gives a request its
+`RequestSpeculation`, which holds the request's override (its source, fixed γ).
 
-The planner only chooses: prompt lookup (the source in coordinator/sources/prompt_lookup.py)
-looks the session's tokens up first and hands it a `Lookup`, what it found. A round:
-``plan = spec.plan(lookup, cap, draft_available)``; a prompt-lookup plan carries the tokens of
-the lookup it chose (the source proposes them with a one-hot q); under `auto` a
-draft-model plan carries prompt lookup's tokens as hints, which the draft checks in its first
-forward and keeps where it agrees (so γ draft steps may propose more than γ tokens), and an
-adaptive draft-model plan carries `min_confidence`: the draft stops before γ after a token it was
-unsure of (specdec/runtime/drafting.py), so γ is a ceiling the draft fills only where it is sure; after
-verification, ``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back.
-A draft-model plan may carry `tree_nodes`: the request's own tree size, or, under --trees auto for
-an adaptive request whose draft and target handle trees, the policy's choice of a tree over a
-chain (`auto_tree_budget`, session_policy.py); a tree round feeds back its spine and its alternatives.
-A heads plan (where the round before read the target's heads: `HeadsAtHand`) carries the depth
-and the size of the heads' tree; its round feeds back α per depth and b (heads_estimates.py), kept
-per set of heads (`heads_id`) over all sessions.
+The planner only chooses: the round loop asks the sources once what they offer the round
+(`Offers`: prompt lookup's `Lookup`, the draft's lag, the heads at hand), then
+``plan = spec.plan(offers, cap, tokens_left)``. A prompt-lookup plan carries the tokens it chose;
+under `auto` a draft-model plan carries them as hints, and an adaptive one `min_confidence` (γ
+is a ceiling); a draft plan may carry `tree_nodes` (the request's, or under --trees auto the
+policy's: `auto_tree_budget`), a heads plan its tree's depth and size. After verification
+``spec.observe(source, proposed, accepted, ...)`` feeds acceptance and timings back (a tree's
+spine and alternatives; a heads round's α per depth and b, per `heads_id` over all sessions).
 """
 
 from __future__ import annotations
@@ -29,11 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from specdec.maths.tree import TokenTree, TreeOutcome, tree_outcome
-from specdec.types import Proposer, Trees
+from specdec.types import Source, Trees
 
 from coordinator.policy.estimates import AcceptanceEstimate, CostModel
 from coordinator.policy.heads_estimates import DepthAcceptance, HeadsAtHand, SessionHeads
@@ -58,8 +50,8 @@ class FixedCosts(CostModel):
         super().__init__()
         self.cost_ratio = cost_ratio
 
-    def relative_costs(self, source: Proposer, max_gamma: int, load: int = 1) -> list[float]:
-        c = self.cost_ratio if source == Proposer.DRAFT else 0.0
+    def relative_costs(self, source: Source, max_gamma: int, load: int = 1) -> list[float]:
+        c = self.cost_ratio if source == Source.DRAFT else 0.0
         return [1.0 + c * gamma for gamma in range(max_gamma + 1)]
 
     def relative_tree_cost(self, depth: int, nodes: int, load: int = 1) -> float:
@@ -88,10 +80,22 @@ NO_LOOKUP = Lookup()  # the round does not look up (its request does not use pro
 
 
 @dataclass(frozen=True)
+class Offers:
+    """What each source offers a round, gathered once before it is planned (RoundLoop._offers)."""
+
+    lookup: Lookup = NO_LOOKUP        # prompt lookup's match and its length (NO_LOOKUP: not looked up)
+    draft_available: bool = True      # the draft tier answers (False: failing, or backed off after a timeout)
+    draft_lag: int = 0                # history tokens the draft must prefill before it proposes (0: none)
+    heads: HeadsAtHand | None = None  # the target's heads' proposals the round before read (None: none)
+    heads_served: HeadsAtHand | None = None  # what a round of the heads could be, where the session's
+    #                                          target serves them (None: no heads)
+
+
+@dataclass(frozen=True)
 class Plan:
     """One round: `gamma` tokens from `source`; `tokens` are prompt lookup's."""
 
-    source: Proposer            # DRAFT | PROMPT_LOOKUP | HEADS | NONE
+    source: Source            # DRAFT | PROMPT_LOOKUP | HEADS | NONE
     gamma: int                  # tokens to propose (draft: its steps; kept hints come on top; heads: the depth)
     tokens: list[int] = field(default_factory=list)  # prompt lookup: the proposal; draft: the hints
     reason: str = ""
@@ -101,6 +105,7 @@ class Plan:
     tree_nodes: int = 0         # draft: grow a tree of this many nodes, γ deep (0: a chain); heads: the tree's size
     branches: list[list[int]] = field(default_factory=list)  # a draft tree: prompt lookup's continuations
     #                                                           to graft on (the latest occurrence's first)
+    read_heads: bool = False    # the round's Verify reads the target's heads for the next round
 
 
 def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair_grows_trees: bool,
@@ -114,20 +119,20 @@ def auto_tree_budget(trees: Trees, requested: int, fixed_gamma: int | None, pair
     return max_nodes
 
 
-def is_governed(mode: Proposer, fixed_gamma: int | None) -> bool:
+def is_governed(mode: Source, fixed_gamma: int | None) -> bool:
     """Whether a request is adaptive `auto` (neither source nor γ fixed): the load governor may
     switch it to plain decoding, and its draft rounds carry prompt lookup's hints."""
-    return mode == Proposer.AUTO and fixed_gamma is None
+    return mode == Source.AUTO and fixed_gamma is None
 
 
 class RequestSpeculation:
     """One request's planner: its override and the session's policy."""
 
-    def __init__(self, policy: SessionPolicy, mode: Proposer,
-                 fixed_gamma: int | None, priors: dict[Proposer, AcceptanceEstimate] | None = None,
+    def __init__(self, policy: SessionPolicy, mode: Source,
+                 fixed_gamma: int | None, priors: dict[Source, AcceptanceEstimate] | None = None,
                  draft_hints: bool = True, order_priors: dict[int, AcceptanceEstimate] | None = None,
                  min_confidence: float = 0.0, tree_nodes: int = 0, max_tree_nodes: int = 0) -> None:
-        mode = Proposer(mode)  # ValueError for anything else
+        mode = Source(mode)  # ValueError for anything else
         self.policy, self.mode, self.fixed_gamma = policy, mode, fixed_gamma
         self.priors = priors if priors is not None else {}
         self.governed = is_governed(mode, fixed_gamma)
@@ -145,46 +150,51 @@ class RequestSpeculation:
     @property
     def uses_draft(self) -> bool:
         """Whether this request may call the draft model at all."""
-        return self.mode in (Proposer.AUTO, Proposer.DRAFT) and self.fixed_gamma != 0
+        return self.mode in (Source.AUTO, Source.DRAFT) and self.fixed_gamma != 0
 
     @property
     def uses_heads(self) -> bool:
         """Whether this request's rounds may propose the target's heads' tokens (so its Verify
         calls ask for them)."""
-        return self.mode in (Proposer.AUTO, Proposer.HEADS) and self.fixed_gamma != 0
+        return self.mode in (Source.AUTO, Source.HEADS) and self.fixed_gamma != 0
 
     def looks_up(self, cap: int, allowed: bool = True) -> bool:
         """Whether the next round's plan would use what prompt lookup finds (else it need not look)."""
-        return ((allowed or not self.governed) and self.mode in (Proposer.AUTO, Proposer.PROMPT_LOOKUP)
+        return ((allowed or not self.governed) and self.mode in (Source.AUTO, Source.PROMPT_LOOKUP)
                 and cap > 0 and self.fixed_gamma != 0)
 
-    def plan(self, lookup: Lookup, cap: int, draft_available: bool, allowed: bool = True,
-             heads: HeadsAtHand | None = None, horizon: Horizon = NO_HORIZON) -> Plan:
-        """The next round's source and γ (at most `cap`: tokens left, context room, limits), given
-        what prompt lookup found (`lookup`, NO_LOOKUP where `looks_up` says it is not used) and
-        the target's heads' proposals at hand (`heads`, None: none); an adaptive request weighs
-        switching sources (`horizon`: the draft's catch-up, a plain round that reads the heads)
-        over the tokens it has left, one that fixes its source or γ gets what it asked for.
-        allowed=False: the coordinator measured that speculation does not pay under the current
-        load (load_governor.py): an adaptive request decodes plainly; a fixed γ or source still holds."""
+    def plan(self, offers: Offers, cap: int, tokens_left: int = 0, allowed: bool = True) -> Plan:
+        """The next round's source and γ (≤ `cap`: tokens left, context room, limits) from what the
+        sources offer it, and whether its Verify reads the heads for the next round. An adaptive
+        request weighs switching sources over the `tokens_left` it may still commit (0: unknown);
+        a fixed source or γ gets what it asked for. allowed=False: speculation does not pay under
+        the current load (load_governor.py): an adaptive request decodes plainly."""
+        plan = self._choose(offers, cap, tokens_left, allowed)
+        served = offers.heads_served
+        return replace(plan, read_heads=served is not None and self.policy.wants_heads(
+            self.mode, served, cap, self.load))
+
+    def _choose(self, offers: Offers, cap: int, tokens_left: int, allowed: bool) -> Plan:
         if not allowed and self.governed:
-            return Plan(Proposer.NONE, 0, [], "load")
+            return Plan(Source.NONE, 0, [], "load")
         t0 = time.perf_counter()
+        lookup, heads = offers.lookup, offers.heads
         candidates = lookup.tokens[:cap] if self.looks_up(cap) else []
         self._order = lookup.order if candidates else 0
-        self._horizon = horizon if self.governed else NO_HORIZON
+        self._horizon = (Horizon(tokens_left, offers.draft_lag, offers.heads_served if heads is None else None)
+                         if self.governed else NO_HORIZON)
         choice = self.policy.choose(max_gamma=cap, lookup_available=len(candidates),
-                                    draft_available=draft_available, mode=self.mode,
+                                    draft_available=offers.draft_available, mode=self.mode,
                                     fixed_gamma=self.fixed_gamma, lookup_order=self._order, load=self.load,
                                     max_tree_nodes=self.max_tree_nodes, heads=heads if self.uses_heads else None,
                                     horizon=self._horizon)
-        if choice.source == Proposer.PROMPT_LOOKUP:
-            return Plan(Proposer.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
+        if choice.source == Source.PROMPT_LOOKUP:
+            return Plan(Source.PROMPT_LOOKUP, choice.gamma, candidates[:choice.gamma], choice.reason,
                         lookup.seconds + time.perf_counter() - t0, choice.speedup)
-        if choice.source == Proposer.HEADS:
-            return Plan(Proposer.HEADS, choice.gamma, [], choice.reason, speedup=choice.speedup,
+        if choice.source == Source.HEADS:
+            return Plan(Source.HEADS, choice.gamma, [], choice.reason, speedup=choice.speedup,
                         tree_nodes=choice.tree_nodes)
-        if choice.source == Proposer.DRAFT:
+        if choice.source == Source.DRAFT:
             tree_nodes = self.tree_nodes or choice.tree_nodes
             if tree_nodes:  # hints and the early stop go with chains; lookup's tokens as branches
                 # the room left (cap) bounds a tree by its depth: γ ≤ cap, and every branch is cut
@@ -192,24 +202,33 @@ class RequestSpeculation:
                 gamma = (self.policy.lookup_gamma(len(candidates), self._order, self.load)
                          if candidates and self.governed else 0)  # a fixed γ: the tree asked for
                 branches = lookup.continuations(gamma, LOOKUP_BRANCHES) if gamma else []
-                return Plan(Proposer.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
+                return Plan(Source.DRAFT, choice.gamma, [], choice.reason, speedup=choice.speedup,
                             tree_nodes=tree_nodes, branches=branches)
             hints = candidates[:max(0, cap - choice.gamma)] if self.draft_hints else []
-            return Plan(Proposer.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
+            return Plan(Source.DRAFT, choice.gamma, hints, choice.reason, speedup=choice.speedup,
                         min_confidence=self.min_confidence)
         return Plan(choice.source, choice.gamma, [], choice.reason, speedup=choice.speedup)
 
     def describe(self, plan: Plan) -> str:
         """A round's plan with the estimates behind it, for the debug log."""
-        alpha, lookup_alpha = self.policy.alpha(Proposer.DRAFT), self.policy.lookup_alpha(self._order)
+        alpha, lookup_alpha = self.policy.alpha(Source.DRAFT), self.policy.lookup_alpha(self._order)
         shape = f" tree of {plan.tree_nodes}" if plan.tree_nodes else ""
+        draft_round, catch_up = self.policy.draft_costs(4, self._horizon.draft_lag, self.load)
         return (f"{plan.source} γ={plan.gamma}{shape} ({plan.reason}, est. speedup {plan.speedup:.2f}; α draft "
                 f"{_fmt(alpha)} prompt lookup {_fmt(lookup_alpha)}; draft round of 4 costs "
-                f"{self.policy.costs.relative_cost(Proposer.DRAFT, 4, self.load):.2f} plain steps; load {self.load}; "
+                f"{draft_round:.2f} plain steps; load {self.load}; "
                 f"{self._horizon.tokens_left} tokens left, the draft lacks {self._horizon.draft_lag} "
-                f"({self.policy.costs.relative_catch_up(self._horizon.draft_lag, self.load):.2f} plain steps))")
+                f"({catch_up:.2f} plain steps))")
 
-    def observe(self, source: Proposer, proposed: int, accepted: int, *,
+    def draft_steps_within_verify(self, verified_tokens: int) -> int | None:
+        """Draft steps no longer than verifying `verified_tokens` now (None: not measured yet)."""
+        return self.policy.draft_steps_within_verify(verified_tokens, self.load)
+
+    def observe_catch_up(self, tokens: int, gamma: int, call_seconds: float) -> None:
+        """A draft call that first prefilled `tokens` of history it lacked took `call_seconds`."""
+        self.policy.observe_catch_up(tokens, gamma, call_seconds)
+
+    def observe(self, source: Source, proposed: int, accepted: int, *,
                 propose_seconds: float | None, verify_seconds: float | None,
                 verified_tokens: int, hints_kept: int = 0, batch_tokens: int | None = None,
                 tree: TokenTree | None = None, accepted_nodes: tuple[int, ...] = (),
@@ -227,7 +246,7 @@ class RequestSpeculation:
         (policy.branch_alpha); its last `lookup_nodes` nodes, prompt lookup's grafted branches,
         are neither. A heads round (its tree or chain) feeds α per depth and b of the heads
         (heads_estimates.py), and its spine the heads' overall α."""
-        if source == Proposer.HEADS and proposed:
+        if source == Source.HEADS and proposed:
             outcome = (tree_outcome(tree, accepted_nodes) if tree is not None
                        else TreeOutcome(proposed, accepted, 0, 0))
             self.policy.observe_heads(outcome)
@@ -237,10 +256,10 @@ class RequestSpeculation:
             self.policy.observe_branches(outcome.alternatives_tried, outcome.alternatives_accepted)
             proposed, accepted = outcome.spine_proposed, outcome.spine_accepted
         if proposed == 0:
-            source = Proposer.NONE
+            source = Source.NONE
         own, own_accepted = proposed - hints_kept, accepted - hints_kept
         tried = own_accepted >= 0
-        order = self._order if source == Proposer.PROMPT_LOOKUP else 0
+        order = self._order if source == Source.PROMPT_LOOKUP else 0
         self.policy.observe(source, own, max(own_accepted, 0), propose_seconds=propose_seconds,
                             verify_seconds=verify_seconds, verified_tokens=verified_tokens, trials=tried,
                             lookup_order=order, batch_tokens=batch_tokens,
@@ -312,9 +331,9 @@ class Speculation:
         self.current.costs = costs
 
     @property
-    def priors(self) -> dict[Proposer, AcceptanceEstimate]:
+    def priors(self) -> dict[Source, AcceptanceEstimate]:
         """α per source over all sessions (the draft's: of the newest draft model)."""
-        return {Proposer.DRAFT: self.current.acceptance, Proposer.PROMPT_LOOKUP: self.lookup_prior}
+        return {Source.DRAFT: self.current.acceptance, Source.PROMPT_LOOKUP: self.lookup_prior}
 
     @property
     def branch(self) -> AcceptanceEstimate:
@@ -341,8 +360,8 @@ class Speculation:
 
     def _seed(self, policy: SessionPolicy, estimates: DraftEstimates, draft_only: bool = False) -> None:
         """Start the session's sources from the coordinator-wide α of those that have warmed up."""
-        priors = [(Proposer.DRAFT, estimates.acceptance)] + ([] if draft_only else [
-            (Proposer.PROMPT_LOOKUP, self.lookup_prior)])
+        priors = [(Source.DRAFT, estimates.acceptance)] + ([] if draft_only else [
+            (Source.PROMPT_LOOKUP, self.lookup_prior)])
         for source, prior in priors:
             if prior.rounds >= self.config.warmup_rounds and prior.alpha is not None:
                 policy.seed(source, prior.alpha, PRIOR_WEIGHT)
@@ -378,7 +397,7 @@ class Speculation:
         estimates = self.estimates(draft_model)
         if spec.policy.draft_model != draft_model:
             self._switch(spec.policy, draft_model, estimates)
-        spec.priors = {**spec.priors, Proposer.DRAFT: estimates.acceptance}
+        spec.priors = {**spec.priors, Source.DRAFT: estimates.acceptance}
         spec.draft_model = draft_model
 
     def heads_estimates(self, heads_id: str) -> DepthAcceptance:
@@ -408,7 +427,7 @@ class Speculation:
     def forget(self, session_id: str) -> None:
         self._policies.pop(session_id, None)
 
-    def start(self, session_id: str, mode: Proposer, fixed_gamma: int | None, tree_nodes: int = 0,
+    def start(self, session_id: str, mode: Source, fixed_gamma: int | None, tree_nodes: int = 0,
               pair_grows_trees: bool = False, draft_model: str | None = None) -> RequestSpeculation:
         """A request's planner. tree_nodes: the request's (0 unset, 1 chains, 2+ a tree of that
         many nodes every draft round); pair_grows_trees: the draft grows trees and the target
@@ -417,8 +436,8 @@ class Speculation:
         budget = auto_tree_budget(self.trees, tree_nodes, fixed_gamma, pair_grows_trees, self.config.max_gamma)
         policy = self.policy(session_id, draft_model)
         spec = RequestSpeculation(policy, mode, fixed_gamma,
-                                  {Proposer.DRAFT: self.estimates(policy.draft_model).acceptance,
-                                   Proposer.PROMPT_LOOKUP: self.lookup_prior},
+                                  {Source.DRAFT: self.estimates(policy.draft_model).acceptance,
+                                   Source.PROMPT_LOOKUP: self.lookup_prior},
                                   self.draft_hints, self.order_priors, self.min_confidence,
                                   tree_nodes if pair_grows_trees else 0, budget)
         spec.draft_model = policy.draft_model

@@ -1,4 +1,4 @@
-"""Sessions and replicas: the session record and its store (`store.py`, `memory_store.py`,
+"""Sessions and replicas: the session record and its store (`session_store.py`, `memory_store.py`,
 `redis_store.py`, `stores.py`), the lease a request holds (`lease_keeper.py`), the draft and
 target tiers (`model_tiers.py`), their replicas and how a session is placed on them
 (`discovery.py`, `routing.py`, `clients.py`).

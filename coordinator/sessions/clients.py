@@ -17,7 +17,7 @@ import grpc
 from specdec.errors import CacheMiss, DeadlineExceeded, FailedPrecondition, SpecdecError
 from specdec.rpc.convert import dist_from_pb, dist_to_pb, logprobs_from_pb, model_info_from_pb, sampling_to_pb
 from specdec.rpc.security import name_override_options
-from specdec.rpc.server import channel_options
+from specdec.rpc.grpc_server import channel_options
 from specdec.rpc.status import from_rpc_error
 from specdec.rpc.streaming import CallStatus, CallStream, StreamUnsupported, overran
 from specdec.types import ModelDescription, Proposal, RpcTransport, SamplingParams, SparseDist, Verdict

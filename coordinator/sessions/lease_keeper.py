@@ -8,7 +8,7 @@ import logging
 
 from specdec.errors import SpecdecError, Unavailable
 
-from coordinator.sessions.store import Lease, SessionStore
+from coordinator.sessions.session_store import Lease, SessionStore
 
 log = logging.getLogger(__name__)
 

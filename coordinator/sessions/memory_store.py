@@ -9,7 +9,7 @@ import dataclasses
 import time
 import uuid
 
-from coordinator.sessions.store import (Lease, SessionRecord, busy_error, check_lease, not_found_error,
+from coordinator.sessions.session_store import (Lease, SessionRecord, busy_error, check_lease, not_found_error,
                                taken_over_error)
 
 

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from specdec.errors import FailedPrecondition, Unavailable
 from specdec.logtag import redacted_url
 
-from coordinator.sessions.store import (
+from coordinator.sessions.session_store import (
     Lease, Placement, SessionRecord, busy_error, check_lease, not_found_error, taken_over_error,
 )
 

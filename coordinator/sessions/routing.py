@@ -32,7 +32,7 @@ from specdec.types import ModelDescription
 
 from coordinator.sessions.clients import ServiceClient, release_quietly
 from coordinator.sessions.discovery import Discovery
-from coordinator.sessions.store import Placement, SessionRecord
+from coordinator.sessions.session_store import Placement, SessionRecord
 from coordinator.sessions.model_tiers import Tier
 
 log = logging.getLogger(__name__)

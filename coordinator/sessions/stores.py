@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.sessions.store import SessionStore
+from coordinator.sessions.session_store import SessionStore
 
 
 def open_store(url: str, ttl_s: float = 86400.0, lease_s: float = 30.0,

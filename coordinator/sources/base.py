@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Protocol, Sequence
 
 from specdec.maths.tree import TokenTree, graft
-from specdec.types import Proposal, Proposer, SparseDist, Verdict
+from specdec.types import Proposal, Source, SparseDist, Verdict
 
 from coordinator.rounds import Drafts, Round, RoundResult
 
@@ -41,7 +41,7 @@ class SideCall(Protocol):
 class ProposalSource(ABC):
     """One source of proposed tokens."""
 
-    proposer: Proposer  # which one
+    kind: Source  # which one
 
     @abstractmethod
     async def propose(self, rnd: Round) -> Drafts:

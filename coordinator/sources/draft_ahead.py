@@ -22,7 +22,7 @@ import logging
 from specdec.errors import SpecdecError
 from specdec.fingerprint import extend_hash
 from specdec.logtag import session_tag
-from specdec.types import Proposal, Proposer, SamplingParams, Verdict
+from specdec.types import Proposal, Source, SamplingParams, Verdict
 
 from coordinator.sessions.clients import DraftClient
 from coordinator.rounds import Predrafted, RequestRun, Round
@@ -36,7 +36,7 @@ def take_predrafted(run: RequestRun, base: int, rnd: Round) -> Proposal | None:
     they continue another history, or this round does not use the draft model). Each is still a
     draw from the q reported with it, made on the committed history: lossless."""
     predrafted, run.predrafted = run.predrafted, None
-    if predrafted is None or predrafted.base != base or rnd.plan.source != Proposer.DRAFT:
+    if predrafted is None or predrafted.base != base or rnd.plan.source != Source.DRAFT:
         return None
     limit = min(rnd.cap, rnd.plan.gamma + len(rnd.plan.tokens))
     drafts = predrafted.proposal
@@ -51,9 +51,7 @@ def ahead_steps(rnd: Round, drafted: int, max_steps: int) -> int:
     `drafted` tokens (the next call would wait for them)."""
     steps = min(max(rnd.plan.gamma, 1) + 1, max_steps)
     if rnd.spec.fixed_gamma is None:  # adaptive: no longer than the verification it hides behind
-        costs = rnd.spec.policy.costs
-        budget = costs.verify_seconds(drafted + 1, rnd.spec.load)
-        within = None if budget is None else costs.steps_within(Proposer.DRAFT, budget)
+        within = rnd.spec.draft_steps_within_verify(drafted + 1)
         if within is not None:
             steps = min(steps, max(2, within))  # (a guess and one draft at least)
     return steps

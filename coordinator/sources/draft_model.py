@@ -19,7 +19,7 @@ from typing import Callable
 
 from specdec.config import CoordinatorConfig
 from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceFault, Unavailable
-from specdec.types import DraftAhead, ModelDescription, Proposer, SamplingParams, Verdict
+from specdec.types import DraftAhead, ModelDescription, Source, SamplingParams, Verdict
 
 from coordinator.session_calls import SessionCalls
 from coordinator.policy.draft_ahead_trial import DraftAheadTrial
@@ -27,7 +27,7 @@ from coordinator.sources.base import ProposalSource, with_lookup_branches
 from coordinator.sources.draft_ahead import AheadCall, ahead_steps, take_predrafted
 from coordinator.rounds import Drafts, RequestRun, Round, RoundResult
 from coordinator.sessions.routing import Routes
-from coordinator.sessions.store import SessionRecord
+from coordinator.sessions.session_store import SessionRecord
 from coordinator.tasks import discard
 from coordinator.sessions.model_tiers import Tier
 
@@ -45,7 +45,7 @@ def catch_up_tokens(record: SessionRecord, base: int) -> int:
 
 
 class DraftModel(ProposalSource):
-    proposer = Proposer.DRAFT
+    kind = Source.DRAFT
 
     def __init__(self, calls: SessionCalls, routes: Routes, config: CoordinatorConfig,
                  draft_info: ModelDescription, max_gamma: int, context_length: int,
@@ -63,7 +63,7 @@ class DraftModel(ProposalSource):
         predrafted = take_predrafted(run, rnd.base, rnd)
         if predrafted is not None:  # drafted while the last round was verified: no call now
             stats.draft_ahead_rounds += 1
-            return Drafts(predrafted, Proposer.DRAFT if predrafted.draft_tokens else Proposer.NONE)
+            return Drafts(predrafted, Source.DRAFT if predrafted.draft_tokens else Source.NONE)
         record = run.record
         caught_up, misses = catch_up_tokens(record, rnd.base), stats.cache_misses
         t0 = time.perf_counter()
@@ -83,14 +83,14 @@ class DraftModel(ProposalSource):
         grafted = 0
         if proposal.parents and plan.branches:
             proposal, grafted = with_lookup_branches(proposal, plan.branches, self.max_gamma)
-        return Drafts(proposal, Proposer.DRAFT, seconds if timed else None, seconds, lookup_nodes=grafted,
+        return Drafts(proposal, Source.DRAFT, seconds if timed else None, seconds, lookup_nodes=grafted,
                       caught_up=caught_up if stats.cache_misses == misses else 0)
 
     def alongside(self, rnd: Round, drafts: Drafts) -> AheadCall | _Prefetch | None:
-        if rnd.plan.source != Proposer.DRAFT:
+        if rnd.plan.source != Source.DRAFT:
             rnd.run.predrafted = None  # drafts made ahead continue a draft round only
             return self._prefetch(rnd)
-        if drafts.source != Proposer.DRAFT or drafts.proposal.parents:  # a tree's next round is not a chain's
+        if drafts.source != Source.DRAFT or drafts.proposal.parents:  # a tree's next round is not a chain's
             return None
         rnd.ahead = self._ahead_mode(rnd)
         if rnd.ahead != DraftAhead.ON:
@@ -101,7 +101,7 @@ class DraftModel(ProposalSource):
 
     def observe(self, rnd: Round, drafts: Drafts, verdict: Verdict) -> int | None:
         """The draft fed d1..dγ-1: it holds those the target accepted."""
-        if drafts.source != Proposer.DRAFT:
+        if drafts.source != Source.DRAFT:
             return None
         if drafts.proposal.parents:
             return rnd.base  # a tree's draft keeps the history only

@@ -130,9 +130,9 @@ class SessionLookup:
     committed tokens of a session); a history that shrank or changed its last indexed token is
     re-indexed from scratch (O(history), rare).
 
-    In the round loop, ask for the most the round may use and let the policy cut it:
-    ``candidates = proposer.propose(history, max_gamma)``; ``len(candidates)`` caps the
-    n-gram γ; ``drafts = candidates[:gamma]``.
+    The prompt-lookup source (prompt_lookup.py) asks for the most the round may use and the
+    planner cuts it: ``candidates = index.propose(history, cap)``; ``len(candidates)`` caps
+    prompt lookup's γ; ``drafts = candidates[:gamma]``.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 16) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from specdec.types import Proposer
+from specdec.types import Source
 
 from coordinator.sources.base import ProposalSource
 from coordinator.rounds import Drafts, Round
 
 
 class NoProposals(ProposalSource):
-    proposer = Proposer.NONE
+    kind = Source.NONE
 
     async def propose(self, rnd: Round) -> Drafts:
         return Drafts()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from specdec.types import Proposal, Proposer, Verdict
+from specdec.types import Proposal, Source, Verdict
 
 from coordinator.policy.speculation import Lookup
 from coordinator.rounds import Drafts, Round
@@ -22,7 +22,7 @@ from coordinator.sources.lookup_index import SessionLookup
 
 
 class PromptLookup(ProposalSource):
-    proposer = Proposer.PROMPT_LOOKUP
+    kind = Source.PROMPT_LOOKUP
 
     def __init__(self, max_ngram: int, max_tokens: int) -> None:
         if max_ngram < 1 or max_tokens < 1:
@@ -46,12 +46,12 @@ class PromptLookup(ProposalSource):
         tokens = list(rnd.plan.tokens)
         if not tokens:
             return Drafts()
-        return Drafts(Proposal(tokens, one_hot_dists(tokens)), Proposer.PROMPT_LOOKUP,
+        return Drafts(Proposal(tokens, one_hot_dists(tokens)), Source.PROMPT_LOOKUP,
                       propose_seconds=rnd.plan.propose_seconds)
 
     def observe(self, rnd: Round, drafts: Drafts, verdict: Verdict) -> None:
         index = self._sessions.get(rnd.run.record.session_id)
-        if index is not None and drafts.source == Proposer.PROMPT_LOOKUP:
+        if index is not None and drafts.source == Source.PROMPT_LOOKUP:
             index.observe(len(drafts.proposal.draft_tokens), verdict.num_accepted)
 
     def forget(self, session_id: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.distill.heads import TOP_N, HeadsData, HeadsTrainer, accuracy, prepare_heads, \
+from specdec.distill.heads_training import TOP_N, HeadsData, HeadsTrainer, accuracy, prepare_heads, \
     proposal_vocabulary, vocab_coverage
 from specdec.distill.objectives import Loss
 from specdec.distill.run import REPORT_FILE, DistillConfig, Progress, Report, _load, \

@@ -28,7 +28,7 @@ MATCHED = 1e-5       # a position whose loss is below this is matched (Pinsker: 
 class Loss(StrEnum):
     KL = "kl"  # forward KL(p_target || q_draft)
     TV = "tv"  # total variation: 1 - α
-    CE = "ce"  # heads only (specdec/distill/heads.py): cross-entropy on the data's token
+    CE = "ce"  # heads only (specdec/distill/heads_training.py): cross-entropy on the data's token
 
 
 @dataclass

@@ -74,7 +74,7 @@ def _digest(*parts: bytes) -> bytes:
 
 def model_fingerprint(identity: Mapping[str, str]) -> bytes:
     """32 bytes naming what a chunk's K/V depend on besides the tokens: sha256 over
-    LAYOUT_VERSION and the sorted (name, value) pairs a runner supplies (weights digest, config,
+    LAYOUT_VERSION and the sorted (name, value) pairs an engine supplies (weights digest, config,
     dtype, ...), each string length-prefixed so ("ab", "c") and ("a", "bc") differ."""
     h = hashlib.sha256(b"specdec-kv-model\x00")
     h.update(struct.pack("<I", LAYOUT_VERSION))

@@ -1,4 +1,4 @@
-"""The writer of K/V chunks: `ChunkWriter` writes to a chunk store (store.py) on a background
+"""The writer of K/V chunks: `ChunkWriter` writes to a chunk store (chunk_store.py) on a background
 thread so that a model forward never waits for the store: ``offer()`` enqueues without blocking
 (or refuses, counted, when the bounded queue is full), the chunk's bytes are produced (encoded)
 on the writer thread, batched into pipelined ``put_many`` calls and dropped, counted, if the
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.kv.store import ChunkStore, ChunkStoreStats, MiB, as_bytes, check_key
+from specdec.kv.chunk_store import ChunkStore, ChunkStoreStats, MiB, as_bytes, check_key
 
 log = logging.getLogger(__name__)
 

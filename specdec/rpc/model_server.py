@@ -8,9 +8,9 @@ import grpc
 
 from specdec.metrics import Metrics, serve_metrics
 from specdec.rpc.metrics_interceptor import MetricsInterceptor
-from specdec.rpc.server import BackgroundServer, start_model_server
+from specdec.rpc.grpc_server import BackgroundServer, start_model_server
 from specdec.runtime.engine import ModelEngine
-from specdec.runtime.worker import ModelWorker
+from specdec.runtime.serving.worker import ModelWorker
 
 # the health name of the KV store (--kv-store): SERVING while it answers. The service's own name
 # stays SERVING either way: without the store, calls prefill instead of restoring.
@@ -18,7 +18,7 @@ KV_STORE_HEALTH = "specdec.v1.KVStore"
 
 
 def serve_model(config, kind: str, default_port: int, servicer, add_to_server, service_name: str,
-                runner: ModelEngine, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
+                engine: ModelEngine, worker: ModelWorker, credentials: grpc.ServerCredentials | None,
                 interceptors: Sequence[grpc.aio.ServerInterceptor], timed: dict[str, str]
                 ) -> tuple[BackgroundServer, int]:
     """Start the server with Prometheus metrics on --metrics-port (when set); `timed` maps the
@@ -26,10 +26,10 @@ def serve_model(config, kind: str, default_port: int, servicer, add_to_server, s
     the metrics endpoint."""
     metrics = Metrics(kind)
     servicer.scheduler.on_batch = metrics.observe_batch
-    metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(runner.caches),
-                  kv_cache_bytes=runner.caches.total_bytes)
-    if runner.kv_tier is not None:
-        metrics.watch_kv_chunks(runner.kv_tier.metrics)
+    metrics.watch(queue_depth=lambda: worker.queue_depth, cached_sessions=lambda: len(engine.caches),
+                  kv_cache_bytes=engine.caches.total_bytes)
+    if engine.kv_tier is not None:
+        metrics.watch_kv_chunks(engine.kv_tier.metrics)
     try:
         metrics_server = serve_metrics(metrics, config.metrics_port, config.host)
     except OSError:
@@ -41,7 +41,7 @@ def serve_model(config, kind: str, default_port: int, servicer, add_to_server, s
         if metrics_server is not None:
             metrics_server.stop()
 
-    tier = runner.kv_tier
+    tier = engine.kv_tier
     dependencies = {KV_STORE_HEALTH: tier.store.ping} if tier is not None and tier.store is not None else {}
     return start_model_server(config, default_port, servicer, add_to_server, service_name, credentials,
                               on_stop=stop, interceptors=[*interceptors, MetricsInterceptor(metrics, timed)],

@@ -22,31 +22,14 @@ from typing import Sequence
 import torch
 
 from specdec.errors import InvalidArgument
+from specdec.runtime.engine import ProposeCall
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
-from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.runtime.session_kv import Row, SessionKV
 from specdec.maths.sampling import proposal_top_k
 from specdec.types import Proposal, SamplingParams, SparseDist
 
 from specdec.runtime.tree_drafting import grow_trees
-
-
-@dataclass(frozen=True)
-class ProposeCall:
-    """A validated Propose request."""
-
-    session_id: str
-    prefix_len: int
-    prefix_hash: int
-    new_tokens: list[int]
-    gamma: int
-    params: SamplingParams
-    seed: int
-    hints: tuple[int, ...] = ()  # candidate tokens checked in the first forward (may be empty)
-    min_confidence: float = 0.0  # stop after a drafted token the draft gave less probability (0 = off)
-    uncommitted: int = 0  # trailing tokens of the history that are drafts not yet accepted (a call made ahead)
-    cache_salt: str = ""  # mixed into its K/V chunk keys
-    tree_nodes: int = 0  # grow a tree of at most this many nodes, gamma deep (0: a chain)
 
 
 @dataclass
@@ -84,11 +67,11 @@ def _greedy_confidence(logits: torch.Tensor, wanted: bool) -> list[float]:
     return torch.exp(logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).tolist()
 
 
-class ModelProposer:
+class HostDrafting:
     """A small causal LM proposes autoregressively from its top-K truncated distribution."""
 
-    def __init__(self, runner: SessionRunner, proposal_top_k: int):
-        self.runner = runner
+    def __init__(self, engine: SessionKV, proposal_top_k: int):
+        self.engine = engine
         self.proposal_top_k = proposal_top_k
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], gamma: int,
@@ -96,7 +79,7 @@ class ModelProposer:
              min_confidence: float = 0.0, uncommitted: int = 0, cache_salt: str = "",
              tree_nodes: int = 0) -> ProposeCall:
         """Validate a request without touching any cache."""
-        limit = self.runner.description.max_speculative_tokens
+        limit = self.engine.description.max_speculative_tokens
         if not 0.0 <= min_confidence < 1.0:  # (NaN fails too)
             raise InvalidArgument(f"min_confidence must be in [0, 1) (0 = off), got {min_confidence}")
         if not 1 <= gamma <= limit:
@@ -108,10 +91,10 @@ class ModelProposer:
             raise InvalidArgument(f"tree_nodes must be in [0, {limit}] (0: a chain), got {tree_nodes}")
         if tree_nodes and hints:
             raise InvalidArgument("hint_tokens go with a chain only: send them without tree_nodes")
-        if not self.runner.grows_trees:
+        if not self.engine.grows_trees:
             tree_nodes = 0  # this engine cannot grow a tree: it drafts a chain (the response has no parents)
-        self.runner.check_token_ids(hints, "hint_tokens")
-        self.runner.check_request(session_id, prefix_len, new_tokens, gamma - 1 + len(hints))
+        self.engine.check_token_ids(hints, "hint_tokens")
+        self.engine.check_request(session_id, prefix_len, new_tokens, gamma - 1 + len(hints))
         if not 0 <= uncommitted <= prefix_len + len(new_tokens):
             raise InvalidArgument(f"uncommitted_tokens must be in [0, prefix_len + len(new_tokens)] = "
                                   f"[0, {prefix_len + len(new_tokens)}], got {uncommitted}")
@@ -151,7 +134,7 @@ class ModelProposer:
         if not drafting.entry.crop(len(drafting.entry) - (len(hints) - kept)):  # drop the rejected hints
             # a cache that cannot crop still holds them: drop it (the next call is a miss) and
             # end this call here, so no token is drafted after the rejected hints
-            self.runner.caches.discard(drafting.call.session_id, drafting.entry)
+            self.engine.caches.discard(drafting.call.session_id, drafting.entry)
             drafting.stopped = True
 
     def _draw_all(self, live: Sequence[ChainDraft], logits: Sequence[torch.Tensor]) -> None:
@@ -181,7 +164,7 @@ class ModelProposer:
         forward, then draw step by step, one forward per step for every call still drafting
         (a call leaves when it has its γ tokens). Each call draws with its own generator; calls
         are of distinct sessions; a call's failure is its own result."""
-        runner = self.runner
+        engine = self.engine
         results: list[Proposal | Exception | None] = [None] * len(calls)
         live: list[ChainDraft] = []
         rows: list[Row] = []
@@ -189,7 +172,7 @@ class ModelProposer:
         trees: list[tuple[int, SessionCache, Sequence[int], ProposeCall]] = []  # calls that grow a tree
         for index, call in enumerate(calls):
             try:
-                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens,
+                entry, feed = engine.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens,
                                            call.cache_salt)
             except Exception as exc:  # noqa: BLE001 - this call's error, not the batch's
                 results[index] = exc
@@ -198,14 +181,14 @@ class ModelProposer:
             if call.tree_nodes:
                 trees.append((index, entry, feed, call))
                 continue
-            live.append(ChainDraft(index, call, entry, make_generator(call.seed, runner.device)))
+            live.append(ChainDraft(index, call, entry, make_generator(call.seed, engine.device)))
             rows.append(Row(call.session_id, entry, [*feed, *call.hints], 1 + len(call.hints)))
         self.draft_chains(live, rows, results)
         if trees:
             self.grow_trees(trees, results)
         for call, entry in started:  # its history is committed; a call made ahead's last ones are not
-            runner.keep_committed(entry, call.prefix_len + len(call.new_tokens) - call.uncommitted, call.cache_salt)
-        runner.finish([call.session_id for call in calls])
+            engine.keep_committed(entry, call.prefix_len + len(call.new_tokens) - call.uncommitted, call.cache_salt)
+        engine.finish([call.session_id for call in calls])
         return results
 
     def draft_chains(self, live: list[ChainDraft], rows: list[Row], results: list) -> None:
@@ -213,10 +196,10 @@ class ModelProposer:
         forward per step for every call still drafting (a call leaves when it has its γ tokens);
         each call's Proposal, or its error, goes to results[its index]. An engine with a
         better loop overrides this (the graph engine's on the device, device_drafting.py)."""
-        runner = self.runner
+        engine = self.engine
         while live:
             try:
-                logits = runner.forward_batch(rows)  # per row [keep_logits, vocab]
+                logits = engine.forward_batch(rows)  # per row [keep_logits, vocab]
             except Exception as exc:  # noqa: BLE001 - every call in the forward failed with it
                 for drafting in live:
                     results[drafting.index] = exc
@@ -246,12 +229,12 @@ class ModelProposer:
         """The trees' drafting (tree_drafting.py): one forward per depth for every tree, each
         depth picked on the host call by call. An engine with a better one overrides this (the
         graph engine's, every tree of a depth at once on the device, device_drafting.py)."""
-        grow_trees(self.runner, trees, results)
+        grow_trees(self.engine, trees, results)
 
     def proposal(self, drafting: ChainDraft) -> Proposal:
         """A call's answer once it has drafted."""
         return Proposal(drafting.tokens, drafting.dists, len(drafting.entry), drafting.hints_kept,
-                        self.runner.take_restored(drafting.call.session_id))
+                        self.engine.take_restored(drafting.call.session_id))
 
     def release(self, session_id: str) -> bool:
-        return self.runner.release(session_id)
+        return self.engine.release(session_id)

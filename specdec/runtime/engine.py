@@ -1,14 +1,16 @@
 """The engine contract: what a model service asks of the engine that runs its model.
 
-Every engine implements `ModelEngine` — the HF torch engine (runner.py), llama.cpp
-(llama_runner.py) and the graph engine (graph/runner.py) — and the draft and target services
-call nothing else: they build their engine (engines.py), warm it up before they report
-SERVING, and hand their calls to the engine's `drafting` (the draft's k-step loop) or
-`verification` (forward plus acceptance). Those two are where the per-round work lives, so
-each engine does it its own way: `SessionEngine` gives every engine the host loops of
-drafting.py and verification.py, and an engine overrides them where it has better (the graph
-engine drafts a batch's chains and decides its acceptance on the device, device_drafting.py and
-device_verification.py).
+Every engine implements `ModelEngine` — `TorchEngine` (specdec/runtime/torch/),
+`LlamaCppEngine` (specdec/runtime/llama_cpp/) and `GraphEngine` (specdec/runtime/graph/) — and
+the draft and target services call nothing else: they build their engine
+(engines.py, `engine_from_config`), warm it up before they report SERVING, and hand their calls
+(`ProposeCall`, `VerifyCall`) to the engine's `drafting` (the draft's γ-step loop) or
+`verification` (forward plus acceptance). Those two are where the per-round work lives, so each
+engine does it its own way: `SessionEngine` (session_engine.py) gives every engine the host
+loops of drafting.py and verification.py, and an engine overrides them where it has better (the
+graph engine drafts a batch's chains and decides its acceptance on the device,
+graph/device_drafting.py and graph/device_verification.py). This module sits at the bottom of
+the runtime: it imports no engine and none of the loops that implement it.
 
 The parts of the contract:
 - load and warm up: the constructor loads; `warm_up()` runs every path a first call would take
@@ -23,21 +25,55 @@ The parts of the contract:
   the verifier turns into the heads' proposals; forward_batch itself stays as it is;
 - chunked prefill of long inputs (`needs_prefill_steps`, `held_prefix`, `prefill_step`);
 - validation before any cache is touched (`check_request`, `check_token_ids`);
-- the draft's k-step loop and verification, as `Drafting` and `Verification` objects.
+- the draft's γ-step loop and verification, as `Drafting` and `Verification` objects.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
-from specdec.runtime.drafting import ModelProposer, ProposeCall
+from specdec.maths.draft_q import DraftQ
+from specdec.maths.tree import TokenTree
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
-from specdec.runtime.session_runner import Row, SessionRunner
-from specdec.runtime.verification import Verifier, VerifyCall
-from specdec.types import ModelDescription, Proposal, Verdict
+from specdec.runtime.session_kv import Row
+from specdec.types import ModelDescription, Proposal, SamplingParams, Verdict
 
-WARM_UP_SESSION = "specdec-warm-up"  # the session warm_up runs and releases
-WARM_UP_TOKENS = 8  # tokens of the prompt it prefills
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """A validated Propose request."""
+
+    session_id: str
+    prefix_len: int
+    prefix_hash: int
+    new_tokens: list[int]
+    gamma: int
+    params: SamplingParams
+    seed: int
+    hints: tuple[int, ...] = ()  # candidate tokens checked in the first forward (may be empty)
+    min_confidence: float = 0.0  # stop after a drafted token the draft gave less probability (0 = off)
+    uncommitted: int = 0  # trailing tokens of the history that are drafts not yet accepted (a call made ahead)
+    cache_salt: str = ""  # mixed into its K/V chunk keys
+    tree_nodes: int = 0  # grow a tree of at most this many nodes, gamma deep (0: a chain)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """A validated Verify request."""
+
+    session_id: str
+    prefix_len: int
+    prefix_hash: int
+    new_tokens: list[int]
+    drafts: list[int]
+    draft_q: DraftQ | None  # None when greedy (q is not needed); on the host
+    params: SamplingParams
+    seed: int
+    cache_salt: str = ""  # mixed into its K/V chunk keys
+    top_logprobs: int | None = None  # None: no log-probabilities; N: each emitted token's and N more
+    tree: TokenTree | None = None  # the drafts as a tree (None: a chain)
+    head_candidates: int = 0  # per head, this many proposals for the next round (0: none, or no heads)
 
 
 class Drafting(Protocol):
@@ -110,36 +146,3 @@ class ModelEngine(Protocol):
     def drafting(self, proposal_top_k: int) -> Drafting: ...
 
     def verification(self) -> Verification: ...
-
-
-class SessionEngine(SessionRunner):
-    """What every engine shares: the session half (session_runner.py), a warm-up through the
-    engine's own forward, and the host loops for the per-round work."""
-
-    def warm_up(self) -> None:
-        """Prefill a short prompt, decode one token after it and roll one back, then forget the
-        session: the first real call finds every lazy initialisation done. With heads the decode
-        step hands out its hidden state and the heads run once on it. An engine with more to
-        prepare (graph capture) does it first and calls this."""
-        tokens = [i % max(1, self.embedding_size) for i in range(1, WARM_UP_TOKENS + 1)]
-        try:
-            entry, feed = self.begin(WARM_UP_SESSION, 0, 0, tokens)
-            self.forward(WARM_UP_SESSION, entry, feed, 1)  # prefill
-            decode = [Row(WARM_UP_SESSION, entry, tokens[:1], 1)]  # a decode step
-            if self.heads is None:
-                self.forward_batch(decode)
-            else:
-                _, [hidden] = self.forward_hidden(decode)  # [1, hidden]
-                self.heads.proposals(hidden, [1])
-            entry.crop(len(tokens))  # a rollback
-        finally:
-            self.release(WARM_UP_SESSION)
-            self.finish([])
-
-    def drafting(self, proposal_top_k: int) -> Drafting:
-        """The draft's k-step loop as host code over forward_batch (drafting.py)."""
-        return ModelProposer(self, proposal_top_k)
-
-    def verification(self) -> Verification:
-        """Forward plus the acceptance step row by row (verification.py)."""
-        return Verifier(self)

@@ -1,4 +1,6 @@
-"""Which engine runs a model service's model (--backend), and building its runner."""
+"""The factory, above the engines: which engine runs a model service's model (--backend), and
+building it (`engine_from_config`). The only runtime module that imports the engines' rooms;
+the services build their engine here and call it through the contract (engine.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import importlib.util
 import json
 import logging
 
-from specdec.runtime.session_runner import SessionRunner
+from specdec.runtime.engine import ModelEngine
 from specdec.tokenizer import ModelLoadError
 from specdec.types import Backend, Quantization
 
@@ -69,18 +71,18 @@ def check_memory_fraction(fraction: float, backend: Backend, device: str) -> Non
                              f"this service runs --backend {backend} on {device}: give --kv-cache-bytes instead")
 
 
-def runner_from_config(config) -> SessionRunner:
+def engine_from_config(config) -> ModelEngine:
     """Load the model of a ModelServiceConfig on its engine, with its cache bounds; its
     description names the checkpoint's files (specdec/checkpoint.py)."""
     from specdec.checkpoint import checkpoint_id
 
-    runner = _load_runner(config)
-    runner.description = dataclasses.replace(runner.description, checkpoint_id=checkpoint_id(config.model))
-    return runner
+    engine = _load_engine(config)
+    engine.description = dataclasses.replace(engine.description, checkpoint_id=checkpoint_id(config.model))
+    return engine
 
 
-def _load_runner(config) -> SessionRunner:
-    """The runner of a ModelServiceConfig's model on its engine."""
+def _load_engine(config) -> ModelEngine:
+    """The engine of a ModelServiceConfig's model on its backend."""
     backend = resolve_backend(config.backend, config.model, device=config.device,
                               quantize=getattr(config, "quantize", Quantization.NONE))
     check_memory_fraction(config.kv_cache_memory_fraction, backend, config.device)
@@ -90,7 +92,7 @@ def _load_runner(config) -> SessionRunner:
                              f"not hand out here; serve {config.model} with --backend torch or graph, or "
                              "drop --heads")
     if backend == Backend.LLAMA_CPP:
-        from specdec.runtime.llama_runner import LlamaOptions, LlamaRunner
+        from specdec.runtime.llama_cpp.engine import LlamaOptions, LlamaCppEngine
 
         options = LlamaOptions(threads=config.threads, kv_cache_type=config.kv_cache_type,
                                kv_cache_tokens=config.kv_cache_tokens,
@@ -98,30 +100,30 @@ def _load_runner(config) -> SessionRunner:
         if config.kv_store:
             log.warning("%s: no K/V store on the llama.cpp backend (its K/V pool is not cut into "
                         "chunks); --kv-store is ignored", config.model)
-        return LlamaRunner(config.model, config.max_sessions, config.kv_cache_bytes,
-                           config.max_speculative_tokens, config.prefill_chunk, options)
+        return LlamaCppEngine(config.model, config.max_sessions, config.kv_cache_bytes,
+                              config.max_speculative_tokens, config.prefill_chunk, options)
     import torch
 
     from specdec.runtime.kv_cache import SessionCaches
     from specdec.runtime.loader import load_model
-    from specdec.runtime.runner import ModelRunner
+    from specdec.runtime.torch.engine import TorchEngine
 
     if config.threads:
         torch.set_num_threads(config.threads)
     if backend == Backend.GRAPH:
-        return graph_runner(config)
+        return graph_engine(config)
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
                         getattr(config, "quantize", Quantization.NONE), config.prepack, heads)
     caches = SessionCaches(config.max_sessions, config.kv_cache_bytes)
-    runner = ModelRunner(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
-    runner.kv_tier = kv_tier_for(runner, config)
-    return runner
+    engine = TorchEngine(loaded, caches, config.max_speculative_tokens, config.prefill_chunk)
+    engine.kv_tier = kv_tier_for(engine, config)
+    return engine
 
 
-def graph_runner(config) -> SessionRunner:
-    """The graph engine's runner: plain (unquantized, unpacked) weights; its CUDA graphs
+def graph_engine(config) -> ModelEngine:
+    """The graph engine: plain (unquantized, unpacked) weights; its CUDA graphs
     captured by its warm-up, before the service starts serving."""
-    from specdec.runtime.graph.runner import graph_runner_from_config
+    from specdec.runtime.graph.engine import graph_engine_from_config
     from specdec.runtime.kv_tier import tensors_digest
     from specdec.runtime.loader import load_model
 
@@ -131,42 +133,42 @@ def graph_runner(config) -> SessionRunner:
                              "pass --quantize none, or --backend torch")
     loaded = load_model(config.model, config.dtype, config.device, config.trust_remote_code,
                         heads=getattr(config, "heads", ""))
-    runner = graph_runner_from_config(config, loaded)
-    runner.kv_tier = kv_tier_for(runner, config, "graph", runner.hf_config,
-                                 lambda: tensors_digest(runner.named_weights().items()))
-    return runner
+    engine = graph_engine_from_config(config, loaded)
+    engine.kv_tier = kv_tier_for(engine, config, "graph", engine.hf_config,
+                                 lambda: tensors_digest(engine.named_weights().items()))
+    return engine
 
 
-def kv_tier_for(runner, config, engine: str = "torch", model_config=None, digest=None):
+def kv_tier_for(engine, config, backend: str = "torch", model_config=None, digest=None):
     """The prefix cache and K/V store --prefix-cache-bytes and --kv-store ask for, where the
-    runner's K/V can be cut into chunks (None otherwise, said in the log). model_config (the
-    HF config) and digest (its weights' digest) default to the torch runner's model's."""
+    engine's K/V can be cut into chunks (None otherwise, said in the log). model_config (the
+    HF config) and digest (its weights' digest) default to the torch engine's model's."""
     if not config.kv_store and config.prefix_cache_bytes <= 0:
         return None
     if config.kv_chunk_tokens < 1:
         raise ValueError(f"--kv-chunk-tokens must be >= 1, got {config.kv_chunk_tokens}")
-    if runner.kv_spec is None:
+    if engine.kv_spec is None:
         log.warning("%s: no prefix cache or K/V store: its K/V is a DynamicCache per session, which is "
-                    "not cut into chunks", runner.description.model_id)
+                    "not cut into chunks", engine.description.model_id)
         return None
     from specdec.kv.chunks import ChunkLayout, model_fingerprint
-    from specdec.kv.store import open_chunk_store
+    from specdec.kv.chunk_store import open_chunk_store
     from specdec.kv.writer import ChunkWriter
     from specdec.runtime.kv_tier import KVTier, PrefixCache, weights_digest
 
-    model_config = runner.model.config if model_config is None else model_config
+    model_config = engine.model.config if model_config is None else model_config
     model_config = {k: v for k, v in model_config.to_dict().items() if not k.startswith("_")
                     and k != "transformers_version"}  # not the path it was loaded from
-    identity = {"engine": engine, "model_id": runner.description.model_id, "dtype": runner.description.dtype,
+    identity = {"engine": backend, "model_id": engine.description.model_id, "dtype": engine.description.dtype,
                 "config": json.dumps(model_config, sort_keys=True, default=str)}
     store = open_chunk_store(config.kv_store, config.kv_store_ttl_s)
     if store is not None:  # shared with other replicas: the weights themselves must agree
-        identity["weights"] = weights_digest(runner.model) if digest is None else digest()
+        identity["weights"] = weights_digest(engine.model) if digest is None else digest()
         identity.pop("model_id")  # a path differs between replicas; the weights do not
     cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
-    tier = KVTier(model_fingerprint(identity), ChunkLayout.from_spec(runner.kv_spec, config.kv_chunk_tokens),
+    tier = KVTier(model_fingerprint(identity), ChunkLayout.from_spec(engine.kv_spec, config.kv_chunk_tokens),
                   cache, store, None if store is None else ChunkWriter(store),
-                  runner.read_chunk, runner.load_chunks, runner.kv_spec.device)
-    log.info("%s: K/V chunks of %d tokens: prefix cache %s, store %s", runner.description.model_id,
+                  engine.read_chunk, engine.load_chunks, engine.kv_spec.device)
+    log.info("%s: K/V chunks of %d tokens: prefix cache %s, store %s", engine.description.model_id,
              config.kv_chunk_tokens, f"{config.prefix_cache_bytes} bytes" if cache else "off", store or "off")
     return tier

@@ -16,7 +16,7 @@ The proposal vocabulary (FR-Spec, Zhao et al. 2025): the heads' logits are compu
 ids most frequent in their training data only, not over the whole output layer (151,936 rows
 for Qwen2.5): each Verify that asks for proposals reads a slice of the output layer instead of
 all of it, and softmaxes and ranks that slice. The proposals are deterministic (q one-hot, see
-coordinator/sources/heads.py), so which ids they may take changes the speed only, never the
+coordinator/sources/heads_source.py), so which ids they may take changes the speed only, never the
 output; a token outside the vocabulary is one the heads cannot propose.
 
 Heads for another model are refused at load (`HeadsMismatch`): their proposals would be

@@ -1,11 +1,11 @@
-"""A runner's K/V beyond its own sessions: the pod's prefix cache and the shared chunk store.
+"""An engine's K/V beyond its own sessions: the pod's prefix cache and the shared chunk store.
 
 A session's committed history is cut into chunks of `chunk_tokens` tokens; each full chunk has a
 content address (specdec/kv/chunks.py: a hash chain over the model's fingerprint, the cache salt
 and the token ids), so the same prefix has the same keys in every session, on every replica.
 
 - **Restore.** When a call brings a history the session's cache lacks (a new session's prompt, a
-  resend after a cache miss, a session moved to this replica), the runner looks up the chunks
+  resend after a cache miss, a session moved to this replica), the engine looks up the chunks
   past what it holds: first in the pod's prefix cache, then, for the rest, in the store (one
   round trip for all the keys). The longest run of chunks found from there is loaded into the
   session's K/V and only the rest is prefilled. A chunk missing, corrupt, of another layout or
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.kv.chunks import ChunkError, ChunkLayout, chunk_keys, decode_chunk, encode_chunk
-from specdec.kv.store import ChunkStore
+from specdec.kv.chunk_store import ChunkStore
 from specdec.kv.writer import ChunkWriter
 from specdec.runtime.kv_cache import SessionCache
 
@@ -63,7 +63,7 @@ class PrefixCache:
 
 @dataclass
 class TierCounters:
-    """What the runner's K/V tier did since start (the services' metrics read them)."""
+    """What the engine's K/V tier did since start (the services' metrics read them)."""
 
     restored_tokens: int = 0     # tokens loaded from chunks instead of prefilled
     cache_hits: int = 0          # chunks found in the pod's prefix cache
@@ -75,7 +75,7 @@ class TierCounters:
 
 
 class KVTier:
-    """A runner's prefix cache and chunk store, with the engine's two K/V accessors:
+    """An engine's prefix cache and chunk store, with the engine's two K/V accessors:
     `read(entry, begin, end)` -> a copy of positions [begin, end) [layers, 2, kv_heads, n, head_dim],
     `load(entry, chunks, tokens)`: append `tokens` whose K/V are the concatenated chunks."""
 

@@ -11,7 +11,7 @@ bits a weight with a scale and a zero per group of 32 inputs (asymmetric, round 
 gpt-fast's int4 mode) and runs `aten._weight_int4pack_mm_for_cpu`.
 
 Rows are computed independently (no activation scale shared by a batch), so batched and lone
-forwards still agree and the runner's start-up check applies as for any model. For a draft
+forwards still agree and the engine's start-up check applies as for any model. For a draft
 this changes only the proposals: the target verifies every token against the q the draft drew
 it from, so the output is the target's. A target is quantized only when asked (`serve target
 --quantize int8|int4`, never by auto): the model served is then the quantized one, and the

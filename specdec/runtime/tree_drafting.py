@@ -22,14 +22,14 @@ from typing import Sequence
 import torch
 
 from specdec.runtime.kv_cache import SessionCache
-from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.runtime.session_kv import Row, SessionKV
 from specdec.maths.sampling import proposal_top_k
 from specdec.maths.tree import TREE_WIDTH, TokenTree, subtree
 from specdec.types import Proposal, SamplingParams, SparseDist
 
 
 @dataclass
-class _Growing:
+class Growing:
     """One call's tree while it grows."""
 
     index: int                # the call's place in the batch
@@ -64,7 +64,7 @@ def candidates(logits: torch.Tensor, params: SamplingParams, width: int) -> tupl
     return proposal_top_k(logits, params, width)
 
 
-def extend(growing: _Growing, logits: torch.Tensor) -> None:
+def extend(growing: Growing, logits: torch.Tensor) -> None:
     """One depth: the TREE_WIDTH best children of the frontier by path score. logits [f, vocab].
     The pool is sorted by path score, stably in (frontier row, rank) order: ties keep the
     earlier row's, then the likelier child (the device's batched depth, batched_tree_drafting.py,
@@ -89,7 +89,7 @@ def extend(growing: _Growing, logits: torch.Tensor) -> None:
     keep(growing, kept, chain)
 
 
-def keep(growing: _Growing, kept: Sequence[tuple[float, int, int]], chain: tuple[int, int] | None) -> None:
+def keep(growing: Growing, kept: Sequence[tuple[float, int, int]], chain: tuple[int, int] | None) -> None:
     """Add a depth's kept children, in order — (path score, parent node or -1, token) each; the
     one equal to `chain` (parent, token) continues the spine — as the new frontier."""
     growing.frontier = []
@@ -103,7 +103,7 @@ def keep(growing: _Growing, kept: Sequence[tuple[float, int, int]], chain: tuple
     growing.grown += 1
 
 
-def cut(growing: _Growing) -> TokenTree:
+def cut(growing: Growing) -> TokenTree:
     """The spine (as deep as the budget allows), then the best other nodes by path score (ties:
     the earlier node, so a parent comes first), tree_nodes in all."""
     spine = growing.spine[:growing.budget]
@@ -117,28 +117,28 @@ def cut(growing: _Growing) -> TokenTree:
 TreeCalls = Sequence[tuple[int, SessionCache, Sequence[int], object]]  # (index, entry, feed, ProposeCall)
 
 
-def start_trees(calls: TreeCalls) -> tuple[list[_Growing], list[Row]]:
+def start_trees(calls: TreeCalls) -> tuple[list[Growing], list[Row]]:
     """Each call's growing tree and the row of its first forward (its feed, the root last)."""
-    live = [_Growing(index, call.session_id, entry, call.params, call.gamma, call.tree_nodes,
+    live = [Growing(index, call.session_id, entry, call.params, call.gamma, call.tree_nodes,
                      len(entry) + len(feed)) for index, entry, feed, call in calls]
     return live, [Row(g.session_id, g.entry, list(feed), 1) for g, (_, _, feed, _) in zip(live, calls)]
 
 
-def growing_on(growing: _Growing) -> bool:
+def growing_on(growing: Growing) -> bool:
     """Whether a tree grows another depth."""
     return growing.grown < growing.depths and bool(growing.frontier)
 
 
-def finish_tree(runner: SessionRunner, growing: _Growing) -> Proposal:
+def finish_tree(engine: SessionKV, growing: Growing) -> Proposal:
     """A grown tree's Proposal (cut to its budget); the session keeps its history only: the next
     call sends the path the target accepted."""
     tree = cut(growing)
     growing.entry.crop(growing.base)
     return Proposal(list(tree.tokens), [SparseDist.one_hot(t) for t in tree.tokens], len(growing.entry), 0,
-                    runner.take_restored(growing.session_id), parents=tree.parents)
+                    engine.take_restored(growing.session_id), parents=tree.parents)
 
 
-def grow_trees(runner: SessionRunner, calls: TreeCalls, results: list) -> None:
+def grow_trees(engine: SessionKV, calls: TreeCalls, results: list) -> None:
     """calls: (index, entry, tokens to feed, the ProposeCall) of calls asking for trees, their
     sessions rolled back already; each result (a Proposal with parents, or the exception) goes
     to results[index]. One forward for the feed, then one per depth, for every tree at once,
@@ -147,7 +147,7 @@ def grow_trees(runner: SessionRunner, calls: TreeCalls, results: list) -> None:
     live, rows = start_trees(calls)
     while live:
         try:
-            for growing, logits in zip(live, runner.forward_batch(rows)):  # per row [frontier, vocab]
+            for growing, logits in zip(live, engine.forward_batch(rows)):  # per row [frontier, vocab]
                 extend(growing, logits)
         except Exception as exc:  # noqa: BLE001 - every call in the forward failed with it
             for growing in live:
@@ -156,7 +156,7 @@ def grow_trees(runner: SessionRunner, calls: TreeCalls, results: list) -> None:
             return
         for growing in live:
             if not growing_on(growing):
-                results[growing.index] = finish_tree(runner, growing)
+                results[growing.index] = finish_tree(engine, growing)
         live = [growing for growing in live if growing_on(growing)]
         rows = [Row(g.session_id, g.entry, [g.tokens[i] for i in g.frontier], len(g.frontier), g.tree())
                 for g in live]

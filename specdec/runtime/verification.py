@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -14,9 +13,10 @@ from specdec.maths.acceptance import accept_greedy, accept_sampled
 from specdec.maths.draft_q import DraftQ
 from specdec.errors import InvalidArgument
 from specdec.maths.logprobs import token_logprobs
+from specdec.runtime.engine import VerifyCall
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
-from specdec.runtime.session_runner import Row, SessionRunner
+from specdec.runtime.session_kv import Row, SessionKV
 from specdec.maths.sampling import target_probs
 from specdec.maths.tree import TokenTree
 from specdec.maths.tree_acceptance import accept_tree_greedy, accept_tree_sampled
@@ -25,29 +25,11 @@ from specdec.types import MAX_HEAD_CANDIDATES, SamplingParams, SparseDist, Token
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class VerifyCall:
-    """A validated Verify request."""
-
-    session_id: str
-    prefix_len: int
-    prefix_hash: int
-    new_tokens: list[int]
-    drafts: list[int]
-    draft_q: DraftQ | None  # None when greedy (q is not needed); on the host
-    params: SamplingParams
-    seed: int
-    cache_salt: str = ""  # mixed into its K/V chunk keys
-    top_logprobs: int | None = None  # None: no log-probabilities; N: each emitted token's and N more
-    tree: TokenTree | None = None  # the drafts as a tree (None: a chain)
-    head_candidates: int = 0  # per head, this many proposals for the next round (0: none, or no heads)
-
-
-class Verifier:
+class HostVerification:
     """Verification as host code over the engine's forward_batch: validate, forward, accept."""
 
-    def __init__(self, runner: SessionRunner):
-        self.runner = runner
+    def __init__(self, engine: SessionKV):
+        self.engine = engine
 
     def call(self, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int],
              drafts: list[int], draft_probs: list[SparseDist], params: SamplingParams, seed: int,
@@ -55,16 +37,16 @@ class Verifier:
              draft_parents: Sequence[int] = (), head_candidates: int = 0) -> VerifyCall:
         """Validate a request without touching any cache (InvalidArgument naming what is wrong).
         head_candidates on a target without heads asks for nothing (the call gets 0)."""
-        runner = self.runner
+        engine = self.engine
         if not 0 <= head_candidates <= MAX_HEAD_CANDIDATES:
             raise InvalidArgument(f"head_candidates must be in 0..{MAX_HEAD_CANDIDATES}, got {head_candidates}")
-        if runner.heads is None:
+        if engine.heads is None:
             head_candidates = 0
         gamma = len(drafts)
-        if gamma > runner.description.max_speculative_tokens:
+        if gamma > engine.description.max_speculative_tokens:
             raise InvalidArgument(
                 f"{gamma} draft tokens exceed this service's limit of "
-                f"{runner.description.max_speculative_tokens}"
+                f"{engine.description.max_speculative_tokens}"
             )
         tree = None
         if draft_parents:
@@ -72,19 +54,19 @@ class Verifier:
             tree.check()
             if tree.is_chain:
                 tree = None
-            elif not runner.verifies_trees:
+            elif not engine.verifies_trees:
                 raise InvalidArgument("this target service verifies chains only (its engine cannot mask a "
                                       "tree): send draft_parents empty (see ModelInfo.verifies_trees)")
         # a tree's nodes sit at the root's position plus their depth: it reaches only as far
         # into the context as it is deep, however many nodes it has
-        runner.check_request(session_id, prefix_len, new_tokens, gamma if tree is None else max(tree.depths()))
-        runner.check_token_ids(drafts, "draft_tokens")
+        engine.check_request(session_id, prefix_len, new_tokens, gamma if tree is None else max(tree.depths()))
+        engine.check_token_ids(drafts, "draft_tokens")
         check_top_logprobs(top_logprobs)
         draft_q = None
         if not params.greedy and gamma:
             # on the host: this runs on the event loop, where a copy to a GPU would wait for the
             # forward running on the model thread; _accept moves it there without blocking
-            draft_q = DraftQ.from_sparse(draft_probs, drafts, runner.vocab_size)
+            draft_q = DraftQ.from_sparse(draft_probs, drafts, engine.vocab_size)
         return VerifyCall(session_id, prefix_len, prefix_hash, new_tokens, drafts, draft_q, params, seed,
                           cache_salt, top_logprobs, tree, head_candidates)
 
@@ -94,13 +76,13 @@ class Verifier:
         session after its last accepted draft; the heads' proposals of the calls that ask for
         them. Calls are of distinct sessions. A row's failure (cache miss, bad q) is its own
         result; a failed forward is the result of every row in it."""
-        runner = self.runner
+        engine = self.engine
         results: list[Verdict | Exception | None] = [None] * len(calls)
         started: list[tuple[int, SessionCache]] = []  # (index, the session's cache)
         rows: list[Row] = []
         for index, call in enumerate(calls):
             try:
-                entry, feed = runner.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens,
+                entry, feed = engine.begin(call.session_id, call.prefix_len, call.prefix_hash, call.new_tokens,
                                            call.cache_salt)
             except Exception as exc:  # noqa: BLE001 - this row's error, not the batch's
                 results[index] = exc
@@ -110,9 +92,9 @@ class Verifier:
         hidden: list = []  # per row [γ+1, hidden] when a call asks for the heads' proposals
         try:
             if any(calls[index].head_candidates for index, _ in started):
-                logits, hidden = runner.forward_hidden(rows)  # per row [γ+1, vocab], [γ+1, hidden]
+                logits, hidden = engine.forward_hidden(rows)  # per row [γ+1, vocab], [γ+1, hidden]
             else:
-                logits = runner.forward_batch(rows) if rows else []  # per row [γ+1, vocab]
+                logits = engine.forward_batch(rows) if rows else []  # per row [γ+1, vocab]
         except Exception as exc:  # noqa: BLE001 - every row of the forward failed with it
             logits = [exc] * len(rows)
         forwarded: list[tuple[int, SessionCache, torch.Tensor]] = []
@@ -126,11 +108,11 @@ class Verifier:
             results[index] = verdict
             if not isinstance(verdict, Exception):
                 call = calls[index]
-                runner.keep_committed(entry, call.prefix_len + len(call.new_tokens), call.cache_salt)
+                engine.keep_committed(entry, call.prefix_len + len(call.new_tokens), call.cache_salt)
         if hidden:
             at_row = {index: row for row, (index, _) in enumerate(started)}
             self._add_head_proposals(calls, results, {index: hidden[at_row[index]] for index, _, _ in forwarded})
-        runner.finish([call.session_id for call in calls])
+        engine.finish([call.session_id for call in calls])
         return results
 
     def _add_head_proposals(self, calls: Sequence[VerifyCall], results: list, hidden: dict[int, torch.Tensor]) -> None:
@@ -144,7 +126,7 @@ class Verifier:
             return
         try:
             states = torch.stack([hidden[index][chose_next_token(results[index])] for index in asking])  # [n, hidden]
-            proposals = self.runner.heads.proposals(states, [calls[index].head_candidates for index in asking])
+            proposals = self.engine.heads.proposals(states, [calls[index].head_candidates for index in asking])
         except Exception:  # noqa: BLE001 - the verdicts stand; the next rounds propose otherwise
             log.exception("the heads' proposals failed; %d verdict(s) go without them", len(asking))
             return
@@ -169,9 +151,9 @@ class Verifier:
         if call.params.greedy:
             verdict = accept_tree_greedy(tree, logits.argmax(dim=-1).tolist())
         else:
-            generator = make_generator(call.seed, self.runner.device)
+            generator = make_generator(call.seed, self.engine.device)
             assert call.draft_q is not None  # a sampled call with drafts: call() built their q
-            verdict = accept_tree_sampled(tree, call.draft_q.to(self.runner.device), target_probs(logits, call.params),
+            verdict = accept_tree_sampled(tree, call.draft_q.to(self.engine.device), target_probs(logits, call.params),
                                           generator)
         return self.tree_verdict(call, entry, logits, verdict.path, verdict.next_token, verdict.is_bonus)
 
@@ -181,10 +163,10 @@ class Verifier:
         target's `token`): only the path's K/V stay, moved to the positions after the history."""
         tree = call.tree
         assert tree is not None
-        self.runner.keep_path(entry, len(entry) - len(tree), path)
+        self.engine.keep_path(entry, len(entry) - len(tree), path)
         emitted = [tree.tokens[node] for node in path] + [token]
         scored_at = [0] + [node + 1 for node in path]  # the logits row of each emitted token
-        return Verdict(len(path), token, is_bonus, [], len(entry), self.runner.take_restored(call.session_id),
+        return Verdict(len(path), token, is_bonus, [], len(entry), self.engine.take_restored(call.session_id),
                        self._logprobs(call, logits, emitted, scored_at), tuple(path))
 
     def _accept(self, call: VerifyCall, entry: SessionCache, logits: torch.Tensor) -> Verdict:
@@ -195,7 +177,7 @@ class Verifier:
         if call.params.greedy:
             verdict = accept_greedy(call.drafts, logits.argmax(dim=-1).tolist())
         else:
-            generator = make_generator(call.seed, self.runner.device)
+            generator = make_generator(call.seed, self.engine.device)
             p = target_probs(logits, call.params)  # [γ+1, vocab]
             q = call.draft_q.to(p.device) if call.draft_q is not None else DraftQ.empty(p.device)
             verdict = accept_sampled(call.drafts, q, p, generator)
@@ -209,7 +191,7 @@ class Verifier:
         entry.crop(len(entry) - len(call.drafts) + accepted)
         emitted = call.drafts[:accepted] + [token]
         return Verdict(accepted, token, accepted == len(call.drafts), accept_probs, len(entry),
-                       self.runner.take_restored(call.session_id),
+                       self.engine.take_restored(call.session_id),
                        self._logprobs(call, logits, emitted, list(range(len(emitted)))))
 
     @staticmethod
@@ -222,7 +204,7 @@ class Verifier:
         return tuple(token_logprobs(logits[scored_at], emitted, call.top_logprobs))
 
     def release(self, session_id: str) -> bool:
-        return self.runner.release(session_id)
+        return self.engine.release(session_id)
 
 
 def chose_next_token(verdict: Verdict) -> int:

@@ -48,9 +48,10 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: specdec
 {{- end }}
 
-{{/* "repository:tag" of a tier's image. */}}
+{{/* A tier's image: (dict "image" <the tier's image values> "override" <the top-level image, or "">);
+the override where set (coordinator, draft and target pass .Values.image, redis ""), else "repository:tag". */}}
 {{- define "specdec.image" -}}
-{{- printf "%s:%s" .repository (toString .tag) }}
+{{- if .override }}{{ .override }}{{ else }}{{ printf "%s:%s" .image.repository (toString .image.tag) }}{{ end }}
 {{- end }}
 
 {{/* Whether a tier's replica count is left to an autoscaler ("true" or ""). */}}

@@ -26,6 +26,7 @@ metadata:
   annotations:
     checkov.io/skip1: CKV_K8S_43=Images are pinned by tag (values); a digest depends on the registry the image is pushed to, set it in image.tag as "TAG@sha256:..." where wanted.
     checkov.io/skip2: CKV_K8S_35=HF_TOKEN is read from the environment by huggingface_hub (the flag contract); it comes from a Secret through secretKeyRef and is never logged.
+    checkov.io/skip3: CKV_K8S_15=Images are pinned by tag, so IfNotPresent (the default) runs the same image as Always, and also one loaded into the nodes (kind, minikube); set pullPolicy Always where a tag is pushed again
 spec:
   {{- if not (include "specdec.autoscaled" $v) }}
   replicas: {{ int $v.replicaCount }}
@@ -50,7 +51,7 @@ spec:
       terminationGracePeriodSeconds: 30
       containers:
         - name: {{ $c }}
-          image: {{ include "specdec.image" $v.image | quote }}
+          image: {{ include "specdec.image" (dict "image" $v.image "override" $root.Values.image) | quote }}
           imagePullPolicy: {{ $v.image.pullPolicy }}
           args:
             - serve

@@ -83,7 +83,7 @@ def dummy_batch(shape: BatchShape, device: torch.device) -> ForwardBatch:
                         torch.zeros((R,), **long), torch.zeros((R, Q, W), dtype=torch.bool, device=device))
 
 
-class GraphRunner:
+class CudaGraphRunner:
     """The graph model, its paged pool and its buckets."""
 
     def __init__(self, model: GraphModel, kv: PagedKV, buckets: Buckets | None = None, capture: bool | None = None):

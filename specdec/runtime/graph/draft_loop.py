@@ -1,11 +1,11 @@
 """The draft's γ-step loop on the device: ONE CUDA graph per bucket, no host read inside.
 
 What this module decides:
-- After the first forward of a Propose batch (each row's new tokens, through GraphRunner), the
+- After the first forward of a Propose batch (each row's new tokens, through CudaGraphRunner), the
   loop draws token 1 from each row's last logits, runs it as a one-token forward, draws token 2,
   ... : S draws and S − 1 forwards, S the batch's largest γ. The forwards' K/V slots are
   allocated before the loop (the caller appends S − 1 tokens to each session and keeps only
-  what it returns, graph/runner.py), so every step's inputs are known up front: step s of row r
+  what it returns, graph/engine.py), so every step's inputs are known up front: step s of row r
   runs at position positions[r] + s into slots[r, s], seeing positions[r] + s + 1 keys.
 - A bucket is (rows × steps × blocks per row); captured at start, largest first, sharing one
   memory pool and one set of static inputs (each bucket reads views of it). A loop takes the smallest bucket that holds it: padding rows are greedy rows
@@ -23,8 +23,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from specdec.runtime.batch_cache import upload
-from specdec.runtime.batched_proposal import RowWarps, draw_rows, proposal_rows
+from specdec.runtime.transfer import upload
+from specdec.runtime.graph.batched_proposal import RowWarps, draw_rows, proposal_rows
 from specdec.runtime.graph.batch import ForwardBatch
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV

@@ -9,13 +9,13 @@ What this module decides:
 - Every depth runs TREE_WIDTH node slots per tree, whether or not that many were kept (a slot
   left empty runs token 0 and nothing sees it), so every forward's inputs but its tokens and
   tree window are known up front: depth d's nodes sit at the root's position + d, in the K/V
-  slots allocated before the loop (graph/runner.py appends TREE_WIDTH · (S − 1) positions to
+  slots allocated before the loop (graph/engine.py appends TREE_WIDTH · (S − 1) positions to
   each session and drops them all after: the session keeps its history only, as after the host
   loop). The tokens come from the selection, and each node's window row (itself and its
   ancestors among the tree's slots) is its parent's row plus its own slot, built on the device.
 - The kept children of every depth stay on the device; the caller reads them back once
   ([C, S, TREE_WIDTH, 4]): the round's one host synchronisation.
-- Each depth's forward goes through the engine's buckets (`GraphRunner.forward_on_device`: the
+- Each depth's forward goes through the engine's buckets (`CudaGraphRunner.forward_on_device`: the
   batch padded on the device, a captured graph replayed on CUDA for windows up to its 16 nodes,
   i.e. trees up to 5 deep; eager in the bucket's shape on a CPU, the same code); the selections
   between them are launched eagerly: the loop as a whole is not one captured graph yet.
@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.maths.tree import TREE_WIDTH
-from specdec.runtime.batched_proposal import RowWarps
-from specdec.runtime.batched_tree_drafting import DepthInputs, next_inputs, pick_depth
+from specdec.runtime.graph.batched_proposal import RowWarps
+from specdec.runtime.graph.batched_tree_drafting import DepthInputs, next_inputs, pick_depth
 from specdec.runtime.graph.batch import ForwardBatch
 from specdec.types import SamplingParams
 
@@ -56,7 +56,7 @@ def run_tree_loop(forward: Callable[[ForwardBatch], torch.Tensor], inputs: TreeL
     """The loop (module docstring) -> [C, depths, TREE_WIDTH, 4] float64 on the device: per depth
     and slot `select`'s (valid, pool index, token, path score), the pool's frontier rows being
     the previous depth's slots (the root at depth 1). forward: a ForwardBatch built on the device
-    -> its logits [C, TREE_WIDTH, vocab] (GraphRunner.forward_on_device)."""
+    -> its logits [C, TREE_WIDTH, vocab] (CudaGraphRunner.forward_on_device)."""
     n = TREE_WIDTH
     logits = inputs.first_logits[:, None]  # [C, F, vocab], F = 1 at depth 1
     C, _, vocab = logits.shape

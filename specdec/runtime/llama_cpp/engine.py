@@ -38,8 +38,8 @@ import torch
 from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
-from specdec.runtime.engine import SessionEngine
-from specdec.runtime.session_runner import Row
+from specdec.runtime.session_engine import SessionEngine
+from specdec.runtime.session_kv import Row
 from specdec.tokenizer import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from specdec.maths.tree import TokenTree
 from specdec.types import KVCacheType, ModelDescription
@@ -101,10 +101,10 @@ _KV_TYPES = {KVCacheType.F16: ("GGML_TYPE_F16", 2.0), KVCacheType.BF16: ("GGML_T
 class LlamaSequence:
     """One session's K/V: a llama.cpp sequence id and how many positions it holds."""
 
-    __slots__ = ("runner", "seq", "length", "closed", "spares", "node_seqs")
+    __slots__ = ("engine", "seq", "length", "closed", "spares", "node_seqs")
 
-    def __init__(self, runner: "LlamaRunner", seq: int):
-        self.runner = runner
+    def __init__(self, engine: "LlamaCppEngine", seq: int):
+        self.engine = engine
         self.seq = seq
         self.length = 0
         self.closed = False
@@ -113,13 +113,13 @@ class LlamaSequence:
         self.node_seqs: list[int] = []
 
     def nbytes(self) -> int:
-        return self.length * self.runner.bytes_per_token
+        return self.length * self.engine.bytes_per_token
 
     def crop(self, held: int, length: int) -> bool:
         """Remove the positions from `length` on (worker thread only)."""
-        self.runner.release_leaves(self)  # a tree's nodes are past any kept prefix
+        self.engine.release_leaves(self)  # a tree's nodes are past any kept prefix
         if length < self.length:
-            self.runner.remove_positions(self.seq, length)
+            self.engine.remove_positions(self.seq, length)
             self.length = length
         return True
 
@@ -128,11 +128,11 @@ class LlamaSequence:
         worker's current call ends, so a forward still running on it stays whole."""
         if not self.closed:
             self.closed = True
-            self.runner.closed.extend([self.seq, *self.spares])
+            self.engine.closed.extend([self.seq, *self.spares])
             self.spares, self.node_seqs = [], []
 
 
-class LlamaRunner(SessionEngine):
+class LlamaCppEngine(SessionEngine):
     """One GGUF model in one llama.cpp context, many sessions."""
 
     def __init__(self, path: str, caches_max_sessions: int, kv_cache_bytes: int, max_speculative_tokens: int,
@@ -371,7 +371,7 @@ class LlamaRunner(SessionEngine):
         return torch.frombuffer(floats, dtype=torch.float32).view(wanted, self.vocab_size).clone()
 
     def close(self) -> None:
-        """Free the context and the model (the runner is unusable afterwards)."""
+        """Free the context and the model (the engine is unusable afterwards)."""
         llama = self.llama
         if self.context:
             llama.llama_batch_free(self.batch)

@@ -1,7 +1,7 @@
 """Verification whose acceptance step runs on the device for every row of a batch at once.
 
 The host verifier (verification.py) decides row by row and reads each decision back, several
-host synchronisations per row (per node of a tree). `DeviceVerifier` warps every row's target
+host synchronisations per row (per node of a tree). `DeviceVerification` warps every row's target
 logits (rows with the same sampling parameters together) and decides the batch's chains with
 batched_acceptance.decide and its trees with batched_tree_acceptance.decide_trees, padded to
 the largest of each: one host read per kind for the accepted counts (paths), the next tokens
@@ -20,22 +20,22 @@ from typing import Sequence
 import torch
 
 from specdec.maths.sampling import target_probs
-from specdec.runtime.batched_acceptance import ChainBatch, decide, row_uniforms
-from specdec.runtime.batched_tree_acceptance import TreeBatch, decide_trees, fits_on_device, tree_layout
+from specdec.maths.batched_acceptance import ChainBatch, decide, row_uniforms
+from specdec.maths.batched_tree_acceptance import TreeBatch, decide_trees, fits_on_device, tree_layout
 from specdec.runtime.generators import make_generator
 from specdec.runtime.kv_cache import SessionCache
-from specdec.runtime.session_runner import SessionRunner
-from specdec.runtime.verification import Verifier, VerifyCall
+from specdec.runtime.session_kv import SessionKV
+from specdec.runtime.verification import HostVerification, VerifyCall
 from specdec.types import SamplingParams, Verdict
 
 Forwarded = tuple[VerifyCall, SessionCache, torch.Tensor]  # a call, its cache, its logits [γ+1, vocab]
 
 
-class DeviceVerifier(Verifier):
+class DeviceVerification(HostVerification):
     """Chains decided together on the device, trees likewise (module docstring)."""
 
-    def __init__(self, runner: SessionRunner):
-        super().__init__(runner)
+    def __init__(self, engine: SessionKV):
+        super().__init__(engine)
         self.decided = {"chains": 0, "trees": 0}  # rows decided on the device, per kind (tests count them)
 
     def accept_rows(self, rows: Sequence[Forwarded]) -> list[Verdict | Exception]:
@@ -50,7 +50,7 @@ class DeviceVerifier(Verifier):
             if not members:
                 continue
             try:
-                decided = decider(batch_of([rows[i] for i in members], self.runner.device)).to_host()
+                decided = decider(batch_of([rows[i] for i in members], self.engine.device)).to_host()
                 self.decided[kind] += len(members)
             except Exception as exc:  # noqa: BLE001 - every row of the kind failed with it
                 decided = [exc] * len(members)

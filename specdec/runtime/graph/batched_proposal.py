@@ -1,6 +1,6 @@
 """The draft's proposal and its draw for a whole batch of rows on the device, no host reads.
 
-`ModelProposer` (drafting.py) warps each group of calls with `sampling.proposal_top_k` and draws
+`HostDrafting` (drafting.py) warps each group of calls with `sampling.proposal_top_k` and draws
 each token with `torch.multinomial`, reading every draw back to the host: on a GPU a
 synchronisation per token. Here every row carries its own warp as tensors (`RowWarps`), so one
 static-shape computation serves a batch of mixed requests and a captured graph can run it for
@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.runtime.batched_acceptance import inverse_cdf
+from specdec.maths.batched_acceptance import inverse_cdf
 from specdec.types import SamplingParams
 
 

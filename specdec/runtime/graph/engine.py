@@ -1,4 +1,4 @@
-"""The graph engine behind the services (--backend graph): PagedSessionRunner.
+"""The graph engine behind the services (--backend graph): GraphEngine.
 
 What this module decides:
 - A session's K/V is its block table in one PagedKV pool, allocated at start from the memory
@@ -7,8 +7,8 @@ What this module decides:
   Its SessionCache holds a `PagedBlocks`, whose pool id is its own (not the session id: a
   session re-created while its old cache is still referenced gets a new id).
 - Rollback (`crop`) is a length edit; keeping a tree's accepted path moves those nodes' rows
-  in the pool (PagedKV.keep_path). Forwards go through GraphRunner: padded to a bucket, replayed
-  from a CUDA graph where captured, eager otherwise (the CPU runs the same code).
+  in the pool (PagedKV.keep_path). Forwards go through CudaGraphRunner: padded to a bucket,
+  replayed from a CUDA graph where captured, eager otherwise (the CPU runs the same code).
 - The LRU bound of SessionCaches is mapped onto the pool: a session's bytes are its blocks,
   the byte bound is the pool, and before a forward that needs more blocks than are free the
   least recently used sessions (never the forward's own) are evicted. Only when that is not
@@ -35,19 +35,19 @@ import torch
 from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
 from specdec.runtime.graph.batch import RowInput
-from specdec.runtime.graph.cuda_graphs import Buckets, GraphRunner
+from specdec.runtime.graph.cuda_graphs import Buckets, CudaGraphRunner
 from specdec.runtime.graph.draft_loop import DRAFT_STEPS, DraftLoop, LoopOutputs
 from specdec.runtime.graph.tree_loop import TreeLoopInputs, run_tree_loop
 from specdec.runtime.graph.model import GraphModel
 from specdec.runtime.graph.paged_kv import NULL_BLOCK, PagedKV, blocks_for, budget_bytes
 from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
-from specdec.runtime.batch_cache import upload
-from specdec.runtime.batched_proposal import RowWarps
-from specdec.runtime.device_drafting import DeviceDrafting
-from specdec.runtime.device_verification import DeviceVerifier
-from specdec.runtime.engine import SessionEngine
-from specdec.runtime.session_runner import Row
+from specdec.runtime.transfer import upload
+from specdec.runtime.graph.batched_proposal import RowWarps
+from specdec.runtime.graph.device_drafting import DeviceDrafting
+from specdec.runtime.graph.device_verification import DeviceVerification
+from specdec.runtime.session_engine import SessionEngine
+from specdec.runtime.session_kv import Row
 from specdec.runtime.target_heads import TargetHeads
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.maths.tree import TREE_WIDTH
@@ -59,29 +59,29 @@ log = logging.getLogger(__name__)
 class PagedBlocks:
     """One session's K/V: its id in the pool (the `kv` of its SessionCache)."""
 
-    __slots__ = ("runner", "pool_id", "closed")
+    __slots__ = ("engine", "pool_id", "closed")
 
-    def __init__(self, runner: "PagedSessionRunner", pool_id: str):
-        self.runner = runner
-        self.pool_id = pool_id  # the session's key in runner.kv (unique per cache)
+    def __init__(self, engine: "GraphEngine", pool_id: str):
+        self.engine = engine
+        self.pool_id = pool_id  # the session's key in engine.kv (unique per cache)
         self.closed = False  # dropped: its blocks are freed on the model thread
 
     def nbytes(self) -> int:
-        kv = self.runner.kv
+        kv = self.engine.kv
         entry = kv.sessions.get(self.pool_id)
         return 0 if entry is None else len(entry.blocks) * kv.spec.bytes_per_block
 
     def crop(self, held: int, length: int) -> bool:
         """Keep the first `length` positions: a length edit (whole blocks past it are freed)."""
         if not self.closed:
-            self.runner.kv.truncate(self.pool_id, length)
+            self.engine.kv.truncate(self.pool_id, length)
         return True
 
     def close(self) -> None:
         """The session is dropped (any thread): its blocks are freed at the next recycle."""
         if not self.closed:
             self.closed = True
-            self.runner.closed.append(self.pool_id)
+            self.engine.closed.append(self.pool_id)
 
 
 def pool_budget(kv_cache_bytes: int, max_sessions: int, context: int, bytes_per_token: int) -> int:
@@ -89,7 +89,7 @@ def pool_budget(kv_cache_bytes: int, max_sessions: int, context: int, bytes_per_
     return min(kv_cache_bytes, max(1, max_sessions) * context * bytes_per_token)
 
 
-class PagedSessionRunner(SessionEngine):
+class GraphEngine(SessionEngine):
     """One Llama / Qwen2 / Mistral model on the graph engine, many sessions in one paged pool."""
 
     def __init__(self, loaded: LoadedModel, max_sessions: int, kv_cache_bytes: int | float, max_speculative_tokens: int,
@@ -109,7 +109,7 @@ class PagedSessionRunner(SessionEngine):
         budget = pool_budget(budget_bytes(kv_cache_bytes, self.device), max_sessions, context,
                              self.kv_spec.bytes_per_token)
         self.kv = PagedKV(self.kv_spec, blocks_for(self.kv_spec, budget))
-        self.graph = GraphRunner(self.model, self.kv, buckets, capture)
+        self.graph = CudaGraphRunner(self.model, self.kv, buckets, capture)
         self.max_speculative_tokens = max_speculative_tokens
         self.draft_loop: DraftLoop | None = None  # made by drafting(): only a draft service drafts
         self.caches = SessionCaches(max_sessions, self.kv.capacity_tokens * self.kv_spec.bytes_per_token)
@@ -152,9 +152,9 @@ class PagedSessionRunner(SessionEngine):
             log.info("%s: %d CUDA graphs captured", self.description.model_id, captured)
         super().warm_up()
 
-    def verification(self) -> DeviceVerifier:
+    def verification(self) -> DeviceVerification:
         """Chains decided together on the device, one host read per batch."""
-        return DeviceVerifier(self)
+        return DeviceVerification(self)
 
     def drafting(self, proposal_top_k: int) -> DeviceDrafting:
         """Chains drafted by the device loop (graph/draft_loop.py), one host read per batch;
@@ -334,10 +334,10 @@ class PagedSessionRunner(SessionEngine):
         return named
 
 
-def graph_runner_from_config(config: Any, loaded: LoadedModel) -> PagedSessionRunner:
-    """The runner of a ModelServiceConfig on the graph engine (its graphs are captured by warm_up)."""
+def graph_engine_from_config(config: Any, loaded: LoadedModel) -> GraphEngine:
+    """The engine of a ModelServiceConfig on the graph engine (its graphs are captured by warm_up)."""
     rows = tuple(r for r in Buckets().rows if r <= max(1, config.max_batch_size))
     memory = config.kv_cache_memory_fraction or config.kv_cache_bytes  # a fraction of free memory, or bytes
-    runner = PagedSessionRunner(loaded, config.max_sessions, memory, config.max_speculative_tokens,
-                                config.prefill_chunk, buckets=Buckets(rows=rows))
-    return runner
+    engine = GraphEngine(loaded, config.max_sessions, memory, config.max_speculative_tokens,
+                         config.prefill_chunk, buckets=Buckets(rows=rows))
+    return engine

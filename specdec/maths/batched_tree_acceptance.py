@@ -49,7 +49,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specdec.maths.draft_q import DraftQ
 from specdec.maths.tree import TokenTree
-from specdec.runtime.batched_acceptance import inverse_cdf
+from specdec.maths.batched_acceptance import inverse_cdf
 
 MAX_POINTS = 512  # the most residual points a logits row may keep: its children × (their q width + 1)
 

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
-from specdec.runtime.worker import DeadlinePassed, ModelWorker
+from specdec.runtime.serving.worker import DeadlinePassed, ModelWorker
 
 C = TypeVar("C")
 R = TypeVar("R")

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.maths.tree import TokenTree
-from specdec.types import MAX_HEAD_CANDIDATES, Proposal, Proposer, SparseDist
+from specdec.types import MAX_HEAD_CANDIDATES, ModelDescription, Proposal, Source, SparseDist
 
+from coordinator.policy.heads_estimates import HeadsAtHand
 from coordinator.rounds import Drafts, Round, RoundResult
 from coordinator.sources.base import ProposalSource, one_hot_dists
 
@@ -83,7 +84,7 @@ class HeadProposals:
 
 
 class HeadsSource(ProposalSource):
-    proposer = Proposer.HEADS
+    kind = Source.HEADS
 
     def __init__(self, candidates: int) -> None:
         if not 0 <= candidates <= MAX_HEAD_CANDIDATES:
@@ -107,6 +108,19 @@ class HeadsSource(ProposalSource):
             depth += 1
         return depth
 
+    def offer(self, session_id: str, base: int, target: ModelDescription,
+              max_gamma: int) -> tuple[HeadsAtHand, HeadsAtHand | None]:
+        """What the heads of `target` (a replica that serves them) offer the session's round that
+        starts with `base` committed tokens: what a round of their proposals could be, and the
+        proposals the round before read (None: none at hand)."""
+        limit = min(max_gamma, target.max_speculative_tokens)
+        served = HeadsAtHand(min(target.num_heads, limit), limit, self.candidates, trees=target.verifies_trees)
+        depth = min(self.depth_at(session_id, base), limit)
+        if not depth:
+            return served, None
+        width = max(len(dist.token_ids) for dist in self.at_hand(session_id, base)[:depth])
+        return served, HeadsAtHand(depth, limit, width, trees=target.verifies_trees)
+
     async def propose(self, rnd: Round) -> Drafts:
         heads = self.at_hand(rnd.run.record.session_id, rnd.base)
         tree = heads_tree(heads, rnd.plan.tree_nodes or rnd.plan.gamma, min(rnd.plan.gamma, rnd.cap))
@@ -114,7 +128,7 @@ class HeadsSource(ProposalSource):
             return Drafts()
         tokens = list(tree.tokens)
         parents = () if tree.is_chain else tree.parents  # a chain goes as one (a target that verifies chains only)
-        return Drafts(Proposal(tokens, one_hot_dists(tokens), parents=parents), Proposer.HEADS)
+        return Drafts(Proposal(tokens, one_hot_dists(tokens), parents=parents), Source.HEADS)
 
     def committed(self, session_id: str, result: RoundResult) -> None:
         verdict = result.verdict

@@ -8,9 +8,8 @@ own new tokens up to itself; padding sees only itself, and nobody sees padding. 
 give each row its own positions. After the forward, each row's new K/V are written back into
 its buffer. A single row needs no copy at all: the cache is a view of the session's buffer.
 
-Host data (token ids, positions, lengths, a tree's shape) reaches the device through `upload`,
-which on a GPU copies from pinned memory without blocking: a copy from pageable memory would
-stall the host until the stream has run up to it, a host synchronisation per tensor.
+Host data (token ids, positions, lengths, a tree's shape) reaches the device through `upload`
+(specdec/runtime/transfer.py).
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from specdec.runtime.kv_cache import KVBuffer, KVSpec
 from specdec.maths.tree import TokenTree
+from specdec.runtime.torch.kv_buffers import KVBuffer, KVSpec
+from specdec.runtime.transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +69,6 @@ class BufferCache(Cache):
     def __init__(self, per_layer: torch.Tensor, start: int):
         """per_layer: [layers, 2, B, heads, T, dim]."""
         super().__init__(layers=[BufferLayer(per_layer[i], start) for i in range(per_layer.shape[0])])
-
-
-def upload(data: Sequence[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A tensor of host data (nested lists of numbers) on `device` without a host
-    synchronisation: on a CUDA device built in pinned memory and copied asynchronously (the
-    caching host allocator keeps the pinned block until the copy has run), elsewhere made there."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)  # made where it is used: no copy
-    return torch.tensor(data, dtype=dtype, device=device)  # another accelerator: a plain copy
 
 
 def attention_mask(pasts: Sequence[int], lengths: Sequence[int], n: int, dtype: torch.dtype,

@@ -25,21 +25,21 @@ from typing import Sequence
 import torch
 
 from specdec.maths.tree import TREE_WIDTH
-from specdec.runtime.batched_acceptance import row_uniforms
-from specdec.runtime.batched_proposal import RowWarps, fits_on_device
-from specdec.runtime.batched_tree_drafting import keep_slots
-from specdec.runtime.drafting import ChainDraft, ModelProposer, ProposeCall
+from specdec.maths.batched_acceptance import row_uniforms
+from specdec.runtime.graph.batched_proposal import RowWarps, fits_on_device
+from specdec.runtime.graph.batched_tree_drafting import keep_slots
+from specdec.runtime.drafting import ChainDraft, HostDrafting, ProposeCall
 from specdec.runtime.kv_cache import SessionCache
-from specdec.runtime.session_runner import Row
+from specdec.runtime.session_kv import Row
 from specdec.runtime.tree_drafting import finish_tree, growing_on, start_trees
 from specdec.types import SparseDist
 
 
-class DeviceDrafting(ModelProposer):
+class DeviceDrafting(HostDrafting):
     """Chains drafted by the engine's device loop; the rest by the host loop (module docstring)."""
 
     def draft_chains(self, live: list[ChainDraft], rows: list[Row], results: list) -> None:
-        vocab = self.runner.vocab_size
+        vocab = self.engine.vocab_size
         loop = [i for i, d in enumerate(live) if not d.call.hints
                 and fits_on_device(d.call.params, self.proposal_top_k, vocab)]
         host = sorted(set(range(len(live))) - set(loop))
@@ -54,11 +54,11 @@ class DeviceDrafting(ModelProposer):
         """Every tree of the batch grown by the engine's tree loop (graph/tree_loop.py): ONE
         forward of the feeds, then every depth on the device, one host read; the trees are the
         host loop's (tree_drafting.py), node for node."""
-        runner = self.runner
+        engine = self.engine
         live, rows = start_trees(trees)
         try:
-            logits = runner.forward_batch(rows)  # per row [1, vocab]
-            kept = runner.tree_steps([(g.session_id, g.entry) for g in live], torch.cat(logits),
+            logits = engine.forward_batch(rows)  # per row [1, vocab]
+            kept = engine.tree_steps([(g.session_id, g.entry) for g in live], torch.cat(logits),
                                      max(g.depths for g in live), [g.params for g in live])
             kept = kept.tolist()  # the batch's one host read: [C][depth][slot] (valid, index, token, score)
         except Exception as exc:  # noqa: BLE001 - every tree call failed with it
@@ -67,18 +67,18 @@ class DeviceDrafting(ModelProposer):
                 results[growing.index] = exc
             return
         self.tree_loops += 1
-        w = min(TREE_WIDTH, runner.vocab_size)  # candidates per frontier row
+        w = min(TREE_WIDTH, engine.vocab_size)  # candidates per frontier row
         for growing, depths in zip(live, kept):
             for slots in depths:
                 if not growing_on(growing):
                     break
                 keep_slots(growing, slots, w)
-            results[growing.index] = finish_tree(runner, growing)
+            results[growing.index] = finish_tree(engine, growing)
 
     def _draft_on_device(self, live: Sequence[ChainDraft], rows: Sequence[Row], results: list) -> None:
-        runner = self.runner
+        engine = self.engine
         try:
-            logits = runner.forward_batch(rows)  # per row [1, vocab]
+            logits = engine.forward_batch(rows)  # per row [1, vocab]
         except Exception as exc:  # noqa: BLE001 - every call in the forward failed with it
             for drafting in live:
                 results[drafting.index] = exc
@@ -87,13 +87,13 @@ class DeviceDrafting(ModelProposer):
         gammas = [drafting.call.gamma for drafting in live]
         try:
             generators = [None if d.call.params.greedy else d.generator for d in live]
-            uniforms = row_uniforms(generators, gammas, runner.device)  # [R, γ_max]
-            outputs = runner.draft_steps([(d.call.session_id, d.entry) for d in live], torch.cat(logits),
+            uniforms = row_uniforms(generators, gammas, engine.device)  # [R, γ_max]
+            outputs = engine.draft_steps([(d.call.session_id, d.entry) for d in live], torch.cat(logits),
                                          max(gammas), RowWarps.of([d.call.params for d in live]), uniforms)
             drawn = outputs.to_host(len(live), max(gammas))  # the batch's one host read
         except Exception as exc:  # noqa: BLE001 - every call of the loop failed with it
             for drafting, length in zip(live, held):
-                runner.keep_drafts(drafting.entry, length, ())  # nothing drafted is kept
+                engine.keep_drafts(drafting.entry, length, ())  # nothing drafted is kept
                 results[drafting.index] = exc
             return
         for drafting, length, steps in zip(live, held, drawn):
@@ -101,7 +101,7 @@ class DeviceDrafting(ModelProposer):
                 drafting.add(int(step[0]), _dist(drafting, step), step[1])
                 if drafting.stopped:
                     break
-            runner.keep_drafts(drafting.entry, length, drafting.tokens[:-1])  # the last draft is not run
+            engine.keep_drafts(drafting.entry, length, drafting.tokens[:-1])  # the last draft is not run
             results[drafting.index] = self.proposal(drafting)
 
 

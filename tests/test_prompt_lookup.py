@@ -67,41 +67,41 @@ def test_match_at_the_end_copies_on_into_its_own_output():
 
 def test_gamma_and_max_tokens_limit():
     history = list(range(10)) + [0, 1]
-    proposer = SessionLookup(max_ngram=2, max_tokens=16)
-    assert proposer.propose(history, 3) == [2, 3, 4]
-    assert proposer.propose(history, 0) == []
+    lookup = SessionLookup(max_ngram=2, max_tokens=16)
+    assert lookup.propose(history, 3) == [2, 3, 4]
+    assert lookup.propose(history, 0) == []
     assert SessionLookup(max_ngram=2, max_tokens=2).propose(history, 5) == [2, 3]
 
 
 def test_incremental_sync_follows_appends_and_rebuilds_after_a_change():
-    proposer = SessionLookup(max_ngram=3)
+    lookup = SessionLookup(max_ngram=3)
     history = [1, 2, 3, 1, 2]
-    assert proposer.propose(history, 2) == [3, 1]
+    assert lookup.propose(history, 2) == [3, 1]
     history += [3, 9, 1, 2, 3]
-    assert proposer.propose(history, 2) == [9, 1]          # fed the tail only
-    assert len(proposer.index) == len(history)
-    assert proposer.propose([4, 5, 4], 2) == [5, 4]        # shorter history: re-indexed
-    assert proposer.propose([4, 5, 7, 4], 2) == [5, 7]     # last indexed token changed: re-indexed
+    assert lookup.propose(history, 2) == [9, 1]          # fed the tail only
+    assert len(lookup.index) == len(history)
+    assert lookup.propose([4, 5, 4], 2) == [5, 4]        # shorter history: re-indexed
+    assert lookup.propose([4, 5, 7, 4], 2) == [5, 7]     # last indexed token changed: re-indexed
 
 
 def test_feed_matches_propose_from_history():
-    proposer = SessionLookup(max_ngram=3)
-    proposer.feed([1, 2, 3, 4])
-    proposer.feed([1, 2])
-    assert proposer.index.lookup(3) == [3, 4, 1]
-    assert proposer.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # already in step: nothing re-fed
+    lookup = SessionLookup(max_ngram=3)
+    lookup.feed([1, 2, 3, 4])
+    lookup.feed([1, 2])
+    assert lookup.index.lookup(3) == [3, 4, 1]
+    assert lookup.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # already in step: nothing re-fed
 
 
 def test_observe_keeps_acceptance_stats():
-    proposer = SessionLookup()
-    proposer.observe(4, 3)
-    proposer.observe(0, 0)     # a round without proposal is not a proposal
-    proposer.observe(2, 0)
-    assert (proposer.stats.proposals, proposer.stats.proposed_tokens, proposer.stats.accepted_tokens) \
+    lookup = SessionLookup()
+    lookup.observe(4, 3)
+    lookup.observe(0, 0)     # a round without proposal is not a proposal
+    lookup.observe(2, 0)
+    assert (lookup.stats.proposals, lookup.stats.proposed_tokens, lookup.stats.accepted_tokens) \
         == (2, 6, 3)
-    assert proposer.stats.acceptance_rate == 0.5
+    assert lookup.stats.acceptance_rate == 0.5
     with pytest.raises(ValueError):
-        proposer.observe(2, 3)
+        lookup.observe(2, 3)
 
 
 def test_bad_sizes_are_refused():
@@ -120,14 +120,14 @@ def test_bad_sizes_are_refused():
 def test_incremental_equals_brute_force(tokens, chunks, max_ngram, min_ngram, gamma):
     """Fed in random chunks, every intermediate proposal equals a full rescan."""
     min_ngram = min(min_ngram, max_ngram)
-    proposer = SessionLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_tokens=16)
+    lookup = SessionLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_tokens=16)
     history: list[int] = []
     position, i = 0, 0
     while position < len(tokens):
         step = chunks[i % len(chunks)]
         history.extend(tokens[position:position + step])
         position, i = position + step, i + 1
-        assert proposer.propose(history, gamma) == brute_force(history, gamma, max_ngram, min_ngram)
+        assert lookup.propose(history, gamma) == brute_force(history, gamma, max_ngram, min_ngram)
 
 
 def test_long_history_rounds():
@@ -145,14 +145,14 @@ def test_long_history_rounds():
     history: list[int] = []
     while len(history) < 32_768:
         history += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(1000)]
-    proposer = SessionLookup(max_ngram=3, max_tokens=8)
+    lookup = SessionLookup(max_ngram=3, max_tokens=8)
     t0 = time.perf_counter()
-    proposer.sync(history)
+    lookup.sync(history)
     t_index = time.perf_counter() - t0
     hits, checks = 0, []
     t0 = time.perf_counter()
     for round_ in range(1000):
-        proposal = proposer.propose(history, 8)
+        proposal = lookup.propose(history, 8)
         hits += bool(proposal)
         if round_ % 100 == 0:
             checks.append((len(history), proposal))
@@ -163,7 +163,7 @@ def test_long_history_rounds():
     t0 = time.perf_counter()
     reference = brute_force(history, 8, 3)
     t_scan = time.perf_counter() - t0
-    assert proposer.propose(history, 8) == reference
+    assert lookup.propose(history, 8) == reference
     assert hits > 500
     print(f"\nindex 32k: {t_index * 1e3:.1f} ms; 1000 rounds: {t_rounds * 1e3:.1f} ms; "
           f"one rescan at {len(history)} tokens: {t_scan * 1e3:.1f} ms")

@@ -1,6 +1,7 @@
-"""Proposers and adaptive γ end to end: greedy output equals target-only output with every
-proposer (auto, draft, ngram, none), fixed or adaptive γ; γ rises to the limit with a draft
-that is always right and falls to 0 with one that is always wrong; the per-request overrides.
+"""Proposal sources and adaptive γ end to end: greedy output equals target-only output with
+every source a request may name (its `proposer`: auto, draft, ngram = prompt lookup, none),
+fixed or adaptive γ; γ rises to the limit with a draft that is always right and falls to 0
+with one that is always wrong; the per-request overrides.
 
 Tiny random models, float64, real gRPC servers on loopback.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.runtime.tree_drafting import TREE_WIDTH, _Growing, cut, extend
+from specdec.runtime.tree_drafting import TREE_WIDTH, Growing, cut, extend
 from specdec.types import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -23,8 +23,8 @@ def logits_for(*rows: dict[int, float]) -> torch.Tensor:
     return out
 
 
-def growing(budget: int, depths: int = 3) -> _Growing:
-    return _Growing(0, "s", None, SamplingParams(0.0), depths, budget, base=5)
+def growing(budget: int, depths: int = 3) -> Growing:
+    return Growing(0, "s", None, SamplingParams(0.0), depths, budget, base=5)
 
 
 def test_children_by_path_score_and_the_spine_kept():

@@ -30,9 +30,9 @@ from typing import Sequence
 import torch
 
 from specdec.maths.tree import TREE_WIDTH
-from specdec.runtime.batch_cache import upload
-from specdec.runtime.batched_proposal import RowWarps, warped_top
-from specdec.runtime.tree_drafting import _Growing, keep
+from specdec.runtime.transfer import upload
+from specdec.runtime.graph.batched_proposal import RowWarps, warped_top
+from specdec.runtime.tree_drafting import Growing, keep
 from specdec.types import SamplingParams
 
 
@@ -120,7 +120,7 @@ def next_inputs(kept: torch.Tensor, state: DepthInputs, w: int) -> DepthInputs:
     return DepthInputs(torch.where(valid, kept[..., 3], 0.0), valid, spine_row)
 
 
-def keep_slots(growing: _Growing, slots: Sequence[Sequence[float]], w: int) -> None:
+def keep_slots(growing: Growing, slots: Sequence[Sequence[float]], w: int) -> None:
     """A depth's kept children as `select` gives them (per slot: valid, pool index, token,
     path score; w candidates per frontier row) added to the tree as `tree_drafting.extend` adds them."""
     parent = growing.spine_parent()

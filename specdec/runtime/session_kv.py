@@ -1,7 +1,7 @@
-"""What every engine's runner shares: a session's cache rolled back to what a call assumes,
+"""The session half of every engine: a session's cache rolled back to what a call assumes,
 chunked prefill, the cache bounds. An engine adds `new_entry` and `forward_batch`.
 
-A runner is driven by one model worker thread (specdec/runtime/worker.py), so its methods
+An engine is driven by one model worker thread (specdec/runtime/serving/worker.py), so its methods
 never run concurrently and need no lock (`release` aside, which only drops the entry).
 """
 
@@ -32,8 +32,8 @@ class Row:
     tree: TokenTree | None = None  # the session's last len(tree) tokens after this forward (None: a chain)
 
 
-class SessionRunner:
-    """One model, many sessions: the engine-independent half of a runner.
+class SessionKV:
+    """One model, many sessions: the engine-independent half of an engine.
 
     An engine sets caches, prefill_chunk, context_length, embedding_size, vocab_size,
     description, device, tokenizer, tokens_run and restored (an empty dict), and implements

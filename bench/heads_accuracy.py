@@ -2,10 +2,10 @@
 held-out text before and after training, per objective, and what each stage took.
 
 Usage:
-  python bench/heads.py --tiny --seeds 3                     # tiny targets: kl, ce and tv, greedy and sampled data
-  python bench/heads.py --loss kl,ce --steps 500             # the fetched real target (bf16), 3 heads
-  python bench/heads.py --loss kl --step-times 3             # ... and seconds a step at several --head-vocab
-  python bench/heads.py --target-model DIR --text a.py b.py  # another target, other text
+  python bench/heads_accuracy.py --tiny --seeds 3                     # tiny targets: kl, ce and tv, greedy and sampled data
+  python bench/heads_accuracy.py --loss kl,ce --steps 500             # the fetched real target (bf16), 3 heads
+  python bench/heads_accuracy.py --loss kl --step-times 3             # ... and seconds a step at several --head-vocab
+  python bench/heads_accuracy.py --target-model DIR --text a.py b.py  # another target, other text
 
 Accuracy of head k at position t: its argmax is the target's greedy token at t + k + 1 (its
 argmax at t + k), over the held-out positions; top-4: that token is among the head's four most
@@ -108,7 +108,7 @@ def step_times(first: Path, target: str, args: argparse.Namespace) -> dict:
     of the run in `first` (its kept checkpoint), from untrained heads."""
     import torch
 
-    from specdec.distill.heads import HeadsData, HeadsTrainer
+    from specdec.distill.heads_training import HeadsData, HeadsTrainer
     from specdec.distill.objectives import Loss
     from specdec.distill.run import CHECKPOINT_DIR
     from specdec.distill.trainer import TrainSettings
@@ -165,7 +165,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
 
-    from specdec.distill.heads import HEADS_PREPARED_FILE
+    from specdec.distill.heads_training import HEADS_PREPARED_FILE
     from specdec.distill.heads_run import distill_heads
     from specdec.distill.run import CHECKPOINT_DIR, DistillConfig
 
@@ -180,7 +180,7 @@ def main() -> int:
         try:
             target = str(default_pair()["target"])
         except FetchError as exc:
-            raise SystemExit(f"bench/heads.py: {exc} (or give --target-model, or --tiny)")
+            raise SystemExit(f"bench/heads_accuracy.py: {exc} (or give --target-model, or --tiny)")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = args.text or [str(stdlib / name) for name in STDLIB_TEXT if (stdlib / name).exists()]
     base = DistillConfig(target=target, draft="", out="", text=tuple(text), eval_prompts=str(eval_prompts(work)),

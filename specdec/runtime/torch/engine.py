@@ -5,7 +5,7 @@ see batch_cache.py); models whose cache cannot live in buffers run the rows one 
 heads (`--heads`), a forward pre-hook on the output layer keeps what it takes, and
 `forward_hidden` hands it out per row beside the logits (target_heads.py).
 Rollback, chunked prefill and the cache bounds are the engine-independent half
-(session_runner.py). Long inputs are prefilled in chunks (`prefill_step`), each a separate
+(session_kv.py). Long inputs are prefilled in chunks (`prefill_step`), each a separate
 worker task, so one long prompt does not hold the model for every other session.
 """
 
@@ -19,11 +19,12 @@ import torch
 
 from specdec.cores import this_placement
 from specdec.errors import ResourceExhausted
-from specdec.runtime import batch_cache
-from specdec.runtime.kv_cache import DynamicKV, KVBuffer, SessionCache, SessionCaches
+from specdec.runtime.torch import batch_cache
+from specdec.runtime.kv_cache import SessionCache, SessionCaches
 from specdec.runtime.loader import LoadedModel, eos_token_ids, max_context_length
-from specdec.runtime.engine import SessionEngine
-from specdec.runtime.session_runner import Row
+from specdec.runtime.session_engine import SessionEngine
+from specdec.runtime.session_kv import Row
+from specdec.runtime.torch.kv_buffers import DynamicKV, KVBuffer
 from specdec.runtime.target_heads import OutputLayerInputs, TargetHeads
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.types import ModelDescription
@@ -32,7 +33,7 @@ from specdec.types import ModelDescription
 log = logging.getLogger(__name__)
 
 
-class ModelRunner(SessionEngine):
+class TorchEngine(SessionEngine):
     """One transformers model, many sessions."""
 
     def __init__(self, loaded: LoadedModel, caches: SessionCaches, max_speculative_tokens: int,
