@@ -5,7 +5,10 @@ it holds (at least the last one, so a replica holding everything still has a tok
 On a cache miss (the replica lost the session, or holds another history) the call is resent
 with the full history from prefix_len 0; while the tier is unreachable it is retried, on the
 next replica when there is one, for up to its retry budget — with the same seeds, so a retried
-round draws the same numbers. A draft replica's calls get --draft-cold-deadline-s until it has
+round draws the same numbers. A target call that ran out of time (a service that stopped
+answering: its deadline follows its work, see coordinator/sessions/deadlines.py) is retried the
+same way, but its replica is health-checked first and counted failed only when it does not
+answer: a slow replica keeps its sessions, and the retry resumes from the chunks it finished. A draft replica's calls get --draft-cold-deadline-s until it has
 answered one (its first call may run cold), --draft-timeout-s afterwards.
 
 `SessionCalls` is also the one owner of what each replica holds (the session record's
@@ -111,7 +114,7 @@ class SessionCalls:
             except Unavailable as exc:
                 if tier == Tier.DRAFT and isinstance(exc, DeadlineExceeded):
                     raise  # slow is not down: the draft source backs off (sources/draft_model.py)
-                self.routes.failed(tier, record.placement(tier).address)
+                await self._after_failure(tier, record.placement(tier).address, exc)
                 now = time.monotonic()
                 give_up_at = now + retry_s if give_up_at is None else give_up_at
                 if now >= give_up_at:
@@ -125,6 +128,17 @@ class SessionCalls:
                 run.stats.add_prefill(tier, len(new_tokens), result.restored_tokens)
             run.calls[tier] += 1
             return result
+
+
+    async def _after_failure(self, tier: Tier, address: str, exc: Unavailable) -> None:
+        """A call to address failed: an unreachable replica is marked failed; one that ran out of
+        time is health-checked and marked failed only when it does not answer."""
+        if not isinstance(exc, DeadlineExceeded):
+            self.routes.failed(tier, address)
+        elif await self.routes.check_alive(tier, address):
+            log.warning("%s; it answers its health check: slow, not down, so the call is retried there", exc)
+        else:
+            log.warning("%s; it does not answer its health check: its sessions move", exc)
 
 
 def propose_deadline_s(answered: bool, config: CoordinatorConfig) -> float:

@@ -181,8 +181,9 @@ class CoordinatorConfig(ServerTlsConfig):
                                        "--draft-timeout-s")
     draft_retry_s: float = opt(5.0, "a failing draft replica is skipped for at least this long (rounds "
                                "are target-only while no draft replica is usable)")
-    target_retry_s: float = opt(60.0, "how long to keep retrying an unreachable target before "
-                                "failing the request with UNAVAILABLE")
+    target_retry_s: float = opt(60.0, "how long to keep retrying an unreachable or timed-out target "
+                                "before failing the request with UNAVAILABLE (DEADLINE_EXCEEDED when "
+                                "its calls ran out of time)")
     default_max_new_tokens: int = opt(128, "max_new_tokens when a request leaves it unset")
     max_new_tokens_limit: int = opt(4096, "largest max_new_tokens a request may ask for")
     default_num_speculative_tokens: int = opt(4, "γ of the first rounds of adaptive γ (a request that "
@@ -236,7 +237,15 @@ class CoordinatorConfig(ServerTlsConfig):
     draft_cost_ratio: float = opt(0.0, "c = draft step time / target verify time assumed by adaptive "
                                   "γ instead of measuring round timings (0 = measure)")
     max_prompt_tokens: int = opt(0, "longest prompt in tokens (0 = the model context)")
-    rpc_timeout_s: float = opt(60.0, "deadline of each call to the draft / target service")
+    rpc_timeout_s: float = opt(60.0, "deadline of a call of ordinary size to the draft / target "
+                               "service: one forward of up to 512 input tokens (a round, or one "
+                               "chunk of a long prefill). A call with more input (a long prompt, a "
+                               "session restored after a restart) gets this per 512 tokens, or 3x "
+                               "what the replica's measured pace says, whichever is longer, counted "
+                               "again from each prefill chunk a streamed call finished; a streamed "
+                               "call that hears neither its answer nor a progress message (the "
+                               "service sends a heartbeat while it works) for this long is given "
+                               "up (a stopped service)")
     rpc_transport: str = opt("stream", "how Propose and Verify travel: stream (multiplexed on one "
                              "long-lived gRPC stream per replica: less per-call overhead; a replica "
                              "without it gets unary calls) or unary (one gRPC call each)",

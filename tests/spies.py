@@ -1,8 +1,9 @@
 """Recording spies for the real in-process servers: a gRPC server interceptor that keeps a
 copy of every request message of the methods it watches, then lets the call through;
 `DelayedCalls`, an interceptor that holds chosen calls of a method back before letting them
-through (a slow service, as its clients see it); and `held_worker`, which occupies a service's
-model worker so that calls queue behind it."""
+through (a slow service, as its clients see it); `held_worker`, which occupies a service's
+model worker so that calls queue behind it; and `slowed_model`, which makes a service's model
+slower (every forward sleeps per token, as a slower machine's would take longer)."""
 
 from __future__ import annotations
 
@@ -137,3 +138,22 @@ def held_worker(servicer, queued: int | None = None):
             time.sleep(0.01)
     finally:
         free.set()
+
+
+@contextmanager
+def slowed_model(servicer, seconds_per_token: float):
+    """Every forward of the service's engine takes `seconds_per_token` longer per input token
+    (on the model worker, as a slower model would), until the context exits. The engine itself
+    is unchanged: its forwards are wrapped, and the wrapper is removed on exit."""
+    engine = servicer.engine
+    forward = engine.forward_batch
+
+    def slow_forward_batch(rows):
+        time.sleep(seconds_per_token * sum(len(row.tokens) for row in rows))
+        return forward(rows)
+
+    engine.forward_batch = slow_forward_batch
+    try:
+        yield
+    finally:
+        del engine.forward_batch

@@ -54,6 +54,7 @@ _DOMAIN: list[tuple[type[errors.SpecdecError], int, str, str | None]] = [
     (errors.NotFound, 404, "invalid_request_error", "not_found"),
     (errors.FailedPrecondition, 409, "invalid_request_error", "conflict"),
     (errors.ResourceExhausted, 429, "rate_limit_error", "resource_exhausted"),
+    (errors.DeadlineExceeded, 504, "service_unavailable", "deadline_exceeded"),
     (errors.Unavailable, 503, "service_unavailable", "unavailable"),
 ]
 

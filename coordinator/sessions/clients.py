@@ -3,20 +3,27 @@
 Propose and Verify go over one long-lived call stream per client (transport "stream", see
 specdec/rpc/streaming.py) or as unary calls ("unary"); both raise the same domain errors. A
 server without the stream methods (an older one) is called unary from the first refusal on.
+A call's deadline follows its input tokens and the replica's measured pace; on a stream, a call
+that hears neither its answer nor progress for the client's ordinary timeout is given up sooner
+(coordinator/sessions/deadlines.py). A timed-out call says what it was doing and for how long.
 """
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
-from specdec.errors import CacheMiss, FailedPrecondition, SpecdecError
+from specdec.errors import CacheMiss, DeadlineExceeded, FailedPrecondition, SpecdecError
 from specdec.rpc.convert import dist_from_pb, dist_to_pb, logprobs_from_pb, model_info_from_pb, sampling_to_pb
 from specdec.rpc.security import name_override_options
 from specdec.rpc.grpc_server import channel_options
 from specdec.rpc.status import from_rpc_error
-from specdec.rpc.streaming import CallStream, StreamUnsupported
+from specdec.rpc.streaming import CallStatus, CallStream, StreamUnsupported, overran
 from specdec.types import ModelDescription, Proposal, RpcTransport, SamplingParams, SparseDist, Verdict
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+from coordinator.sessions.deadlines import Pace, call_deadline_s, describe_work
 
 
 TRANSPORTS = tuple(RpcTransport)
@@ -37,7 +44,8 @@ class ServiceClient:
         self.address = address
         self.transport = transport
         self._streams: list[CallStream] = []  # closed with the client
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # --rpc-timeout-s: the deadline of a call of ordinary size
+        self.pace = Pace()  # this replica's measured seconds per input token
         self.tls = credentials is not None
         self.server_name = server_name
         options = channel_options(max_message_bytes)
@@ -60,21 +68,42 @@ class ServiceClient:
         return stream
 
     async def call(self, method, request, session_id: str = "", timeout_s: float | None = None,
-                   wait_for_ready: bool = True, stream: CallStream | None = None):
-        """method(request) as a unary call, or on `stream` when one is given and the server has it."""
-        timeout = timeout_s or self.timeout_s
+                   wait_for_ready: bool = True, stream: CallStream | None = None, tokens: int = 0,
+                   work: str = ""):
+        """method(request) as a unary call, or on `stream` when one is given and the server has it.
+        Its deadline: timeout_s (a fixed budget), else the one its `tokens` input tokens need at
+        this replica's pace, which on a stream counts again from each progress message, the call
+        being given up after the ordinary timeout without an answer or progress. `work` says what
+        it does, for the error when it runs out of time."""
+        timeout = timeout_s or call_deadline_s(tokens, self.pace.seconds_per_token, self.timeout_s)
+        started = time.monotonic()
         try:
-            if stream is not None and not stream.unsupported:
-                try:
-                    return await stream.call(request, timeout, wait_for_ready)
-                except StreamUnsupported:
-                    pass  # an older server: this call and the next ones go unary
-            return await method(request, timeout=timeout, wait_for_ready=wait_for_ready)
+            answer = await self._call(method, request, timeout, None if timeout_s else self.timeout_s,
+                                      wait_for_ready, stream)
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc, self.name)
+            error = from_rpc_error(exc, self.name, work)
+            if isinstance(error, DeadlineExceeded) and tokens:
+                self.pace.overran(time.monotonic() - started)  # a retry gets the time that needs
             if isinstance(error, CacheMiss):
                 raise CacheMiss(session_id, error.held, getattr(request, "prefix_len", -1)) from exc
             raise error from exc
+        self.pace.record(tokens, time.monotonic() - started)
+        return answer
+
+    async def _call(self, method, request, timeout: float, idle_s: float | None, wait_for_ready: bool,
+                    stream: CallStream | None):
+        started = time.monotonic()
+        if stream is not None and not stream.unsupported:
+            try:
+                return await stream.call(request, timeout, wait_for_ready, idle_s)
+            except StreamUnsupported:
+                pass  # an older server: this call and the next ones go unary
+        try:
+            return await method(request, timeout=timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            raise CallStatus(exc.code(), overran(time.monotonic() - started, timeout)) from exc
 
     async def close(self) -> None:
         for stream in self._streams:
@@ -115,7 +144,8 @@ class DraftClient(ServiceClient):
             tree_nodes=tree_nodes,
         )
         response = await self.call(self.stub.Propose, request, session_id, timeout_s, wait_for_ready=False,
-                                   stream=self.propose_stream)
+                                   stream=self.propose_stream, tokens=len(new_tokens),
+                                   work=describe_work("Propose", len(new_tokens)))
         self.answered = True
         return Proposal(list(response.draft_tokens), [dist_from_pb(d) for d in response.draft_probs],
                         response.cached_len, response.num_hint_tokens_kept, response.restored_tokens,
@@ -159,8 +189,9 @@ class TargetClient(ServiceClient):
             sampling=sampling_to_pb(params), seed=seed, cache_salt=cache_salt, top_logprobs=top_logprobs,
             draft_parents=draft_parents or [], head_candidates=head_candidates,
         )
-        response = await self.call(self.stub.Verify, request, session_id, wait_for_ready=wait_for_ready,
-                                   stream=self.verify_stream)
+        response = await self.call(self.stub.Verify, request, session_id, None, wait_for_ready,
+                                   self.verify_stream, tokens=len(new_tokens) + len(drafts),
+                                   work=describe_work("Verify", len(new_tokens), len(drafts)))
         logprobs = tuple(logprobs_from_pb(entry) for entry in response.logprobs)
         if top_logprobs is not None and len(logprobs) != response.num_accepted + 1:
             raise FailedPrecondition(

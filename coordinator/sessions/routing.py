@@ -185,15 +185,32 @@ class ReplicaPool:
 
     async def _check_alive(self, replica: Replica) -> None:
         try:
-            health = health_pb2_grpc.HealthStub(replica.client.channel)
-            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
-            alive = response.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            alive = False
+            alive = await self._answers(replica)
         finally:
             replica.probing = False
         if not alive and self._replicas.get(replica.address) is replica:
             self.mark_failed(replica.address)
+
+    async def check_alive(self, address: str) -> bool:
+        """A call to address timed out: health-check it now; one that does not answer is marked
+        failed (its sessions move). True when it answers: it is only slow, and stays in use."""
+        replica = self._replicas.get(address)
+        if replica is None or replica.state != READY:
+            return False
+        if await self._answers(replica):
+            return True
+        if self._replicas.get(address) is replica:
+            self.mark_failed(address)
+        return False
+
+    async def _answers(self, replica: Replica) -> bool:
+        """Whether the replica answers SERVING to a health check within the probe timeout."""
+        try:
+            health = health_pb2_grpc.HealthStub(replica.client.channel)
+            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
+            return response.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            return False
 
     def describe(self) -> str:
         parts = [f"{address} {r.state}" + (f" ({r.error})" if r.error else "")
@@ -398,6 +415,10 @@ class Routes:
     def suspect(self, tier: Tier, address: str) -> None:
         """A call to address timed out: checked at once, marked failed only if it is not alive."""
         self.pools[tier].suspect(address)
+
+    async def check_alive(self, tier: Tier, address: str) -> bool:
+        """As suspect, awaited: True when the replica answers (slow, not down) and stays in use."""
+        return await self.pools[tier].check_alive(address)
 
     async def release(self, record: SessionRecord) -> None:
         """Free the session's KV caches on the replicas that hold them (best effort)."""

@@ -21,6 +21,7 @@ _CODES: list[tuple[type[errors.SpecdecError], grpc.StatusCode]] = [
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),  # a subclass of Unavailable: first
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
 ]
 
@@ -77,8 +78,9 @@ def map_errors(method: Callable) -> Callable:
     return wrapper
 
 
-def from_rpc_error(exc: grpc.RpcError, service: str) -> errors.SpecdecError:
-    """A failed call to a downstream service as a domain error the caller can act on."""
+def from_rpc_error(exc: grpc.RpcError, service: str, work: str = "") -> errors.SpecdecError:
+    """A failed call to a downstream service as a domain error the caller can act on; `work`
+    (what the call was doing) goes into a timeout's message."""
     code = exc.code()
     detail = exc.details() or ""
     if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -93,7 +95,8 @@ def from_rpc_error(exc: grpc.RpcError, service: str) -> errors.SpecdecError:
     if code == grpc.StatusCode.NOT_FOUND:
         return errors.NotFound(f"{service}: {detail}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return errors.DeadlineExceeded(f"{service} is unavailable ({code.name}): {detail}")
+        doing = f" on {work}" if work else ""
+        return errors.DeadlineExceeded(f"{service} ran out of time ({code.name}){doing}: {detail}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED):
         return errors.Unavailable(f"{service} is unavailable ({code.name}): {detail}")
     return errors.ServiceFault(f"{service} failed ({code.name}): {detail}")

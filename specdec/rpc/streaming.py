@@ -13,6 +13,17 @@ yields each answer as it completes, in whatever order that is. Client side, `Cal
 one stream per client, a writer task and a reader task resolving each call's future; a broken
 stream fails its calls in flight with the stream's status (UNAVAILABLE when the server went
 away) and the next call opens a new one.
+
+A call may have an idle limit: the longest it may go without its answer or a progress message.
+The server sends one after each chunk of a long input (specdec/progress.py) and, as a
+heartbeat, every `heartbeat_ms` the call asks for while it runs (from its event loop, which
+answers while the model works): a call that is working, however slowly, keeps hearing from it,
+while a service that stopped answering (a stopped process, a forward that holds the
+interpreter) goes silent and is given up within the idle limit. The deadline of a call with an
+idle limit counts from its start and again from each chunk it finished (without one, the
+deadline is a fixed budget: a Propose's). A server that does not announce progress (an older
+one) is held to the deadline only. Both fail the call with DEADLINE_EXCEEDED, saying which
+limit it hit.
 """
 
 from __future__ import annotations
@@ -22,11 +33,12 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from specdec import errors
+from specdec import errors, progress
 from specdec.rpc.status import code_for, trailers_for
 from specdec.v1 import common_pb2
 
@@ -37,6 +49,8 @@ STREAM_SUFFIX = "Stream"  # ProposeStream carries Propose calls, VerifyStream Ve
 # a server that refuses the stream (an older one: UNIMPLEMENTED) is told apart for certain (a
 # write racing the refusal would fail locally and hide the server's status).
 READY_METADATA = (("specdec-call-stream", "1"),)
+# ... and this one too when it sends progress messages for long calls (older servers do not)
+PROGRESS_METADATA = ("specdec-call-progress", "1")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _READ_DONE = object()
 
@@ -98,12 +112,20 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
     its own task; yield the answers as they complete. A call's error is its answer only. When
     the client stops sending, the stream ends once the calls in flight are answered; when it
     goes away (this generator is cancelled or closed), the calls in flight are cancelled."""
-    await context.send_initial_metadata(READY_METADATA)
+    await context.send_initial_metadata(READY_METADATA + (PROGRESS_METADATA,))
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
 
-    async def one(call_id: int, request: Any, deadline: float | None) -> None:
+    async def one(call_id: int, request: Any, deadline: float | None, heartbeat_s: float) -> None:
+        report = common_pb2.StreamCallProgress()
+
+        def send(done: int, total: int) -> None:
+            report.tokens_done, report.tokens_total = done, total
+            answers.put_nowait(response_type(call_id=call_id, progress=report))
+
+        progress.reporting_to(send)
+        beating = _Heartbeat(loop, heartbeat_s, lambda: send(report.tokens_done, report.tokens_total))
         try:
             answer = response_type(call_id=call_id, response=await run(request, deadline))
         except errors.SpecdecError as exc:
@@ -111,6 +133,8 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
         except Exception as exc:  # a bug: INTERNAL for this call, as a unary handler's would be
             log.exception("streamed call %d failed", call_id)
             answer = response_type(call_id=call_id, error=error_to_pb(exc))
+        finally:
+            beating.cancel()
         answers.put_nowait(answer)  # exactly one answer per call (unless cancelled)
 
     reading, outstanding, failure = True, 0, None
@@ -119,7 +143,7 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
         nonlocal outstanding, failure
         try:
             async for item in requests:
-                task = loop.create_task(one(item.call_id, item.request, deadline_of(item)))
+                task = loop.create_task(one(item.call_id, item.request, deadline_of(item), item.heartbeat_ms / 1000))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 outstanding += 1
@@ -137,12 +161,30 @@ async def serve_calls(requests: AsyncIterator[Any], context: grpc.aio.ServicerCo
                 if failure is not None:
                     raise failure
                 continue
-            outstanding -= 1
+            if item.WhichOneof("outcome") != "progress":
+                outstanding -= 1
             yield item
     finally:
         reader.cancel()
         for task in list(tasks):
             task.cancel()
+
+
+class _Heartbeat:
+    """Calls beat() every every_s seconds until cancelled (never when every_s is 0); a timer,
+    not a task: it costs a call that ends before its first beat next to nothing."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, every_s: float, beat: Callable[[], None]):
+        self._loop, self._every_s, self._beat = loop, every_s, beat
+        self._timer = loop.call_later(every_s, self._fire) if every_s > 0 else None
+
+    def _fire(self) -> None:
+        self._beat()
+        self._timer = self._loop.call_later(self._every_s, self._fire)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 # ---- client side ------------------------------------------------------------------------------
@@ -160,10 +202,39 @@ def _deadline_exceeded() -> "CallStatus":
     return CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
-def _expire(future: asyncio.Future) -> None:
-    """A streamed call's deadline passed: it fails as a unary call would (DEADLINE_EXCEEDED)."""
-    if not future.done():
-        future.set_exception(_deadline_exceeded())
+def overran(ran_s: float, limit_s: float, done: int = 0, total: int = 0) -> str:
+    """What a call that hit its deadline says: how long it ran against its limit (and how far
+    its input got, when it reported that)."""
+    return f"ran {ran_s:.1f} s, limit {limit_s:.1f} s" + _how_far(done, total)
+
+
+def went_silent(silent_s: float, ran_s: float, done: int, total: int) -> str:
+    """What a call that got neither its answer nor a progress message within its idle limit says."""
+    return (f"no answer and no progress message for {silent_s:.1f} s (the service stopped "
+            f"answering) after {ran_s:.1f} s" + _how_far(done, total))
+
+
+def _how_far(done: int, total: int) -> str:
+    return f"; {done:,} of {total:,} tokens done" if total else ""
+
+
+@dataclass
+class _Call:
+    """A call in flight on a stream: its future and what its limits are counted from (loop times)."""
+
+    future: asyncio.Future
+    started: float
+    deadline: float  # the ceiling on its run: its window from its start, or from its last progress
+    window: float
+    idle_s: float | None  # the longest it may go without an answer or progress (None: no limit)
+    heard: float  # when it last heard from the service (its start until it has)
+    done: int = 0
+    total: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+_EARLY_S = 1e-3  # a timer may fire up to the loop's clock resolution early
+HEARTBEAT_SHARE = 0.25  # a call with an idle limit asks for a heartbeat 4 times within it
 
 
 class StreamUnsupported(Exception):
@@ -175,9 +246,10 @@ class _Stream:
 
     def __init__(self, call: Any):
         self.call = call
-        self.pending: dict[int, asyncio.Future] = {}
+        self.pending: dict[int, _Call] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+        self.reports_progress: bool | None = None  # None until the server accepted the stream
 
 
 class CallStream:
@@ -193,16 +265,22 @@ class CallStream:
         self._ids = itertools.count(1)
         self.unsupported = False  # the server answered UNIMPLEMENTED: unary from now on
 
-    async def call(self, request: Any, timeout_s: float, wait_for_ready: bool) -> Any:
+    async def call(self, request: Any, timeout_s: float, wait_for_ready: bool,
+                   idle_s: float | None = None) -> Any:
         """The unary response to `request`; a failure raises what the unary call would
         (a grpc.RpcError: its code, details and trailing metadata), StreamUnsupported when the
-        server has no stream method. After timeout_s: DEADLINE_EXCEEDED, like a unary call."""
+        server has no stream method. After timeout_s, or idle_s without an answer or a progress
+        message (from a server that reports progress, or has not yet accepted the stream; the
+        call asks it for a heartbeat within idle_s): DEADLINE_EXCEEDED, like a unary call, saying
+        which. With idle_s, timeout_s counts again from each chunk the call finished (a working
+        call is never given up for being long); without, it is a fixed budget."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        started = loop.time()
+        deadline = started + timeout_s
         call_id = next(self._ids)
         future = loop.create_future()
         stream: _Stream | None = None
-        expiry = None
+        state = None
         try:
             if wait_for_ready and self._stream is None:
                 try:
@@ -211,15 +289,16 @@ class CallStream:
                 except TimeoutError:
                     raise _deadline_exceeded() from None
             stream = self._current()
-            stream.pending[call_id] = future
-            # the deadline fails the future itself: cheaper per call than a timeout scope
-            expiry = loop.call_at(deadline, _expire, future)
+            state = stream.pending[call_id] = _Call(future, started, deadline, timeout_s, idle_s, loop.time())
+            # the limits fail the future themselves: cheaper per call than a timeout scope
+            _watch(stream, state)
             stream.outbox.put_nowait(self._request_type(
-                call_id=call_id, request=request, timeout_ms=_millis(timeout_s)))
+                call_id=call_id, request=request, timeout_ms=_millis(deadline - loop.time()),
+                heartbeat_ms=0 if idle_s is None else _millis(idle_s * HEARTBEAT_SHARE)))
             return await future
         finally:
-            if expiry is not None:
-                expiry.cancel()
+            if state is not None and state.timer is not None:
+                state.timer.cancel()
             if stream is not None:
                 stream.pending.pop(call_id, None)  # a late answer is dropped
 
@@ -234,10 +313,11 @@ class CallStream:
         """Send the queued calls in order (one write at a time, as gRPC requires; a caller that
         is cancelled never leaves a write half done), once the server has accepted the stream."""
         try:
-            metadata = await stream.call.initial_metadata()
-            if not set(READY_METADATA) <= set(metadata or ()):
+            metadata = set(await stream.call.initial_metadata() or ())
+            if not set(READY_METADATA) <= metadata:
                 await stream.call.code()  # refused (UNIMPLEMENTED ...): the reader reports it
                 return
+            stream.reports_progress = PROGRESS_METADATA in metadata
             while True:
                 await stream.call.write(await stream.outbox.get())
         except asyncio.CancelledError:
@@ -254,13 +334,17 @@ class CallStream:
                 if response is grpc.aio.EOF:
                     self._break(stream, CallStatus(grpc.StatusCode.UNAVAILABLE, "the call stream ended"))
                     return
-                future = stream.pending.pop(response.call_id, None)
-                if future is None or future.done():
+                outcome = response.WhichOneof("outcome")
+                if outcome == "progress":
+                    _heard(stream.pending.get(response.call_id), response.progress)
+                    continue
+                state = stream.pending.pop(response.call_id, None)
+                if state is None or state.future.done():
                     continue  # its caller gave up
-                if response.WhichOneof("outcome") == "error":
-                    future.set_exception(CallStatus.from_pb(response.error))
+                if outcome == "error":
+                    state.future.set_exception(CallStatus.from_pb(response.error))
                 else:
-                    future.set_result(response.response)
+                    state.future.set_result(response.response)
         except asyncio.CancelledError:
             self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, "the client was closed"))
             raise
@@ -280,9 +364,9 @@ class CallStream:
         if self._stream is stream:
             self._stream = None
         stream.call.cancel()
-        for future in stream.pending.values():
-            if not future.done():
-                future.set_exception(error)
+        for state in stream.pending.values():
+            if not state.future.done():
+                state.future.set_exception(error)
         stream.pending.clear()
         for task in stream.tasks:
             if task is not asyncio.current_task():
@@ -293,3 +377,36 @@ class CallStream:
         if stream is not None:
             self._break(stream, CallStatus(grpc.StatusCode.CANCELLED, "the client was closed"))
             await asyncio.gather(*stream.tasks, return_exceptions=True)
+
+
+# ---- a call's limits --------------------------------------------------------------------------
+
+def _heard(state: _Call | None, report: common_pb2.StreamCallProgress) -> None:
+    """A progress message for a call: its idle limit counts from now; a call with an idle limit
+    whose input got further gets its whole window again (as the server counts it:
+    specdec/runtime/calls.py)."""
+    if state is not None:
+        state.heard = asyncio.get_running_loop().time()
+        if state.idle_s is not None and report.tokens_done > state.done:
+            state.deadline = max(state.deadline, state.heard + state.window)
+        state.done, state.total = report.tokens_done, report.tokens_total
+
+
+def _watch(stream: _Stream, state: _Call) -> None:
+    """Fail the call when it passes its ceiling, or its idle limit where that applies; else check
+    again when the nearer of the two could pass (progress moves the idle one on)."""
+    if state.future.done():
+        return
+    loop = asyncio.get_running_loop()
+    now = loop.time() + _EARLY_S
+    idle = state.idle_s is not None and stream.reports_progress is not False
+    if idle and now - state.heard >= state.idle_s:
+        state.future.set_exception(CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, went_silent(
+            now - state.heard, now - state.started, state.done, state.total)))
+        return
+    if now >= state.deadline:
+        state.future.set_exception(CallStatus(grpc.StatusCode.DEADLINE_EXCEEDED, overran(
+            now - state.started, state.window, state.done, state.total)))
+        return
+    at = min(state.deadline, state.heard + state.idle_s) if idle else state.deadline
+    state.timer = loop.call_at(at, _watch, stream, state)

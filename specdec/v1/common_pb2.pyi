@@ -192,3 +192,11 @@ class StreamCallError(_message.Message):
     message: str
     trailing_metadata: _containers.ScalarMap[str, str]
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamCallProgress(_message.Message):
+    __slots__ = ("tokens_done", "tokens_total")
+    TOKENS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    tokens_done: int
+    tokens_total: int
+    def __init__(self, tokens_done: _Optional[int] = ..., tokens_total: _Optional[int] = ...) -> None: ...

@@ -64,24 +64,28 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., num_hint_tokens_kept: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeStreamRequest(_message.Message):
-    __slots__ = ("call_id", "request", "timeout_ms")
+    __slots__ = ("call_id", "request", "timeout_ms", "heartbeat_ms")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     request: ProposeRequest
     timeout_ms: int
-    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class ProposeStreamResponse(_message.Message):
-    __slots__ = ("call_id", "response", "error")
+    __slots__ = ("call_id", "response", "error", "progress")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     response: ProposeResponse
     error: _common_pb2.StreamCallError
-    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StreamCallError, _Mapping]] = ...) -> None: ...
+    progress: _common_pb2.StreamCallProgress
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StreamCallError, _Mapping]] = ..., progress: _Optional[_Union[_common_pb2.StreamCallProgress, _Mapping]] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

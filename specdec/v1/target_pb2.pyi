@@ -70,24 +70,28 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., is_bonus: _Optional[bool] = ..., accept_probs: _Optional[_Iterable[float]] = ..., cached_len: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., head_proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyStreamRequest(_message.Message):
-    __slots__ = ("call_id", "request", "timeout_ms")
+    __slots__ = ("call_id", "request", "timeout_ms", "heartbeat_ms")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     request: VerifyRequest
     timeout_ms: int
-    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class VerifyStreamResponse(_message.Message):
-    __slots__ = ("call_id", "response", "error")
+    __slots__ = ("call_id", "response", "error", "progress")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     response: VerifyResponse
     error: _common_pb2.StreamCallError
-    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StreamCallError, _Mapping]] = ...) -> None: ...
+    progress: _common_pb2.StreamCallProgress
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StreamCallError, _Mapping]] = ..., progress: _Optional[_Union[_common_pb2.StreamCallProgress, _Mapping]] = ...) -> None: ...
 
 class TargetServiceReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -4,7 +4,9 @@ The target prefills in chunks, each a separate task on its model worker. When th
 coordinator's deadline passes, the chunks already run stay in the cache and the resend
 (prefix_len 0, the full history) resumes from their longest common prefix instead of
 starting again — so each attempt makes progress and the request completes, with the same
-output as a run that never timed out.
+output as a run that never timed out. (On a call stream a call that reports progress is not
+timed out at all: tests/e2e/test_call_deadlines.py. Unary calls report none, so they still time
+out, and resume.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from specdec_cli import tiny
 from tests.cluster import Cluster
+from tests.spies import slowed_model
 
 PROMPT_TOKENS = 3000
 
@@ -35,10 +38,11 @@ def test_prefill_longer_than_the_rpc_timeout_completes(long_context_pair):
     with Cluster(draft, target, target={"prefill_chunk": 64}) as cluster:
         expected = cluster.complete(**request)
         assert expected.stats.target_retries == 0
-    # an RPC deadline far below the prompt's prefill time (a few hundred 64-token chunks)
+    # an RPC deadline far below the prompt's prefill time (a slowed target, 3 s for the prompt)
     with Cluster(draft, target, target={"prefill_chunk": 64},
-                 coordinator={"rpc_timeout_s": 0.15, "target_retry_s": 30}) as cluster:
-        response = cluster.complete(**request)
+                 coordinator={"rpc_timeout_s": 0.15, "target_retry_s": 30, "rpc_transport": "unary"}) as cluster:
+        with slowed_model(cluster.target_servicer, 0.001):
+            response = cluster.complete(**request)
         tokens_run = cluster.target_servicer.engine.tokens_run
     assert list(response.token_ids) == list(expected.token_ids)
     assert response.stats.target_retries >= 1, "the prefill never outlasted the deadline: the test proves nothing"

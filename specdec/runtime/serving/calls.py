@@ -5,7 +5,10 @@ sessions' final steps in one forward. A call whose new tokens exceed the engine'
 is split into prefill steps, each a separate task on the worker, so other sessions' rounds run
 in between. A step whose caller's deadline has passed is never started; the steps already done
 stay in the cache, and a resend (prefix_len 0 with the full history) picks up where they ended
-instead of starting again.
+instead of starting again. After each step the call reports its progress (specdec/progress.py),
+and its deadline moves on: a call that is working gets its whole timeout again from each
+finished step (the client of a call stream counts its deadline the same way), so a long input
+is never dropped for being long.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from array import array
 from typing import Any, Protocol, Sequence, TypeVar
 
+from specdec import progress
 from specdec.errors import CacheMiss
 from specdec.runtime.engine import ModelEngine
 from specdec.runtime.serving.scheduler import BatchScheduler
@@ -40,6 +44,11 @@ def deadline_of(context: Any) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def moved_on(deadline: float | None, window: float | None) -> float | None:
+    """A working call's deadline after one of its steps finished: its window again from now."""
+    return None if deadline is None or window is None else max(deadline, time.monotonic() + window)
+
+
 async def run_call(scheduler: BatchScheduler, engine: ModelEngine, call: C, deadline: float | None) -> R:
     """Prefill the call's input in chunks when it is long, then run its final step in a batch.
 
@@ -49,14 +58,18 @@ async def run_call(scheduler: BatchScheduler, engine: ModelEngine, call: C, dead
     worker = scheduler.worker
     if not engine.needs_prefill_steps(call.new_tokens):
         return await scheduler.run(call, deadline)
+    window = None if deadline is None else deadline - time.monotonic()
     held = await worker.run(engine.held_prefix, call.session_id, call.prefix_len, call.prefix_hash,
                             deadline=deadline)
     sequence = held + array("i", call.new_tokens)
     upto = len(sequence) - 1  # the last token runs with the final step, for its logits
+    progress.report(len(held), upto)
     for attempt in range(PREFILL_ATTEMPTS):
         while True:
             length, prefix_hash = await worker.run(engine.prefill_step, call.session_id, sequence, upto,
                                                    call.cache_salt, deadline=deadline)
+            progress.report(length, upto)
+            deadline = moved_on(deadline, window)
             if length >= upto:
                 break
         final = dataclasses.replace(call, prefix_len=upto, prefix_hash=prefix_hash,
