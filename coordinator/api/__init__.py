@@ -1,5 +1,6 @@
 """The coordinator's public APIs: the gRPC servicer (`servicer.py`) and the OpenAI-compatible HTTP
-API (`openai_api.py`, its shapes in `openai_protocol.py`).
+API (`openai_api.py`, its shapes in `openai_protocol.py`, its ASGI plumbing — event streams,
+disconnects, the request counter — in `asgi.py`).
 
 Decides: how a request arrives and how its chunks leave (protobuf or JSON, statuses and HTTP
 errors), nothing about how they are generated. May import: the shared library, its own modules,

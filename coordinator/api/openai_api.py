@@ -2,22 +2,21 @@
 
 /v1/completions and /v1/chat/completions call RoundLoop.generate as the gRPC servicer does, so
 a request generates exactly what the same gRPC request would. Errors, domain or HTTP, become
-OpenAI's error body in one place (`error_reply`). Streaming is server-sent events; the first
-chunk is awaited before the response starts, so a refused request still gets its own status.
+OpenAI's error body in one place (`error_reply`). Streaming is server-sent events (asgi.py); the
+first chunk is awaited before the response starts, so a refused request still gets its own status.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import math
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import StarletteHTTPException
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from specdec import errors, fields
@@ -25,6 +24,7 @@ from specdec.rpc.security import bearer_token
 from specdec.types import Source, SamplingParams, TokenLogprobs
 
 from coordinator.round_loop import RoundLoop
+from coordinator.api.asgi import CLIENT_CLOSED, CountedRequests, EventStream, sse, until_disconnected
 from coordinator.api.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                          SpecdecFields, TokenText, chat_logprobs, completion_logprobs, error_body,
                                          new_id, now, specdec_object, unsupported_message, usage,
@@ -36,7 +36,6 @@ from coordinator.stats import GenerationStats
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=SpecdecFields)
-T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -91,35 +90,6 @@ def http_refusal(exc: errors.InvalidArgument, names: fields.Names) -> ApiError:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = error_reply(exc)
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-class EventStream(StreamingResponse):
-    """A text/event-stream response driven by plain asyncio tasks. A client that goes away
-    cancels the events' generator once, as gRPC cancels a call, so the round loop's cleanup (the
-    session's lease and caches released) runs to its end; StreamingResponse on an ASGI 2.3
-    server (uvicorn) cancels through an anyio cancel scope, which cancels every await of that
-    cleanup again and leaves the session busy."""
-
-    def __init__(self, events: AsyncIterator[str]):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        streaming = asyncio.ensure_future(self.stream_response(send))
-        watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (streaming, watching):
-                task.cancel()
-            for outcome in await asyncio.gather(streaming, watching, return_exceptions=True):
-                if isinstance(outcome, Exception):  # the client went away while a chunk was sent
-                    log.debug("OpenAI API: stream ended: %r", outcome)
-
-
-def sse(data: Any) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 class Completions:
@@ -391,60 +361,8 @@ class OpenAIApi:
         return None if body.top_logprobs_asked() is None else self.token_text
 
 
-CLIENT_CLOSED = 499  # the client went away before its response began (nginx's name for it)
-
-
-async def until_disconnected(http: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None when the client disconnects first: then `work` is cancelled and
-    awaited, so what it was running is cleaned up before this returns. The request's body must
-    have been read (the next ASGI message is then the disconnect)."""
-    doing = asyncio.ensure_future(work)
-    watching = asyncio.ensure_future(_disconnect(http))
-    try:
-        await asyncio.wait((doing, watching), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not doing.done():
-            doing.cancel()
-        await asyncio.gather(doing, watching, return_exceptions=True)
-    if doing.cancelled():
-        log.info("OpenAI API: the client went away before its response began; generation cancelled")
-        return None
-    return doing.result()
-
-
-async def _disconnect(http: Request) -> None:
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _include_usage(body: SpecdecFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
-
-
-class CountedRequests:
-    """ASGI middleware: every finished HTTP call counted by its route and status (an unknown
-    path as "unmatched", so the label's values stay few; an exception that escapes as 500)."""
-
-    def __init__(self, app: Any, record: Callable[[str, int], None]):
-        self.app, self.record = app, record
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def sending(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            self.record(getattr(scope.get("route"), "path", "unmatched"), status)
 
 
 def create_app(round_loop: RoundLoop, api_key: str | None, max_body_bytes: int,

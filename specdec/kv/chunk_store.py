@@ -18,7 +18,8 @@ of recomputing them. This module moves bytes only; it knows nothing of tensors o
   answers every read with misses at once, without touching the network — so an outage costs
   a model service recomputation, never latency or errors.
 - ``ChunkWriter`` (writer.py) writes to it on a background thread.
-- ``ChunkStoreStats`` is a snapshot of the counters the store and its writer share.
+- ``ChunkStoreStats`` is a snapshot of the counters the store and its writer share
+  (chunk_stats.py).
 
 ``open_chunk_store(url, ttl_s)`` builds the store a URL names: "" (off), ``memory://``, or a
 ``redis://`` / ``rediss://`` / ``unix://`` / ``redis+sentinel://`` / ``redis+cluster://`` URL
@@ -34,7 +35,6 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import closing
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from redis.backoff import NoBackoff
@@ -43,6 +43,7 @@ from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from specdec.errors import Unavailable
+from specdec.kv.chunk_stats import ChunkCounters, ChunkStoreStats
 from specdec.kv.pipelined_read import pipelined_values
 from specdec.logtag import redacted_url
 from specdec.redis_url import REDIS_ERRORS, SCHEMES, Topology, parse_redis_url, redis_client
@@ -56,47 +57,6 @@ STORE_ERRORS = (*REDIS_ERRORS, OSError)  # what a call to Redis raises when it f
 MEMORY_URL = "memory://"
 MEMORY_STORE_MAX_BYTES = 1 << 30  # what `open_chunk_store("memory://")` keeps at most
 MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class ChunkStoreStats:
-    """Counters of one store and its writer since they were built (all monotonic)."""
-
-    hits: int = 0  # chunks a get_many found
-    misses: int = 0  # chunks a get_many asked for that the store does not hold (expired, never written)
-    bytes_read: int = 0  # bytes of the chunks found
-    chunks_written: int = 0  # chunks a put_many stored
-    bytes_written: int = 0  # bytes of the chunks stored
-    writes_skipped: int = 0  # offers refused because the writer's queue was full (or it was closed)
-    writes_deduplicated: int = 0  # offers of a key already queued or written recently: not queued again
-    # accepted chunks never stored: produce() raised, the store failed or backed off, or
-    # close() dropped them
-    writes_failed: int = 0
-    read_errors: int = 0  # get_many calls that asked the store and failed: answered all None
-    reads_skipped: int = 0  # get_many calls answered all None during the back-off, without asking the store
-
-
-class ChunkCounters:
-    """The thread-safe counters behind `ChunkStoreStats`, shared by a store and its writer."""
-
-    _NAMES = frozenset(f.name for f in fields(ChunkStoreStats))
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(self._NAMES, 0)
-
-    def add(self, **deltas: int) -> None:
-        unknown = deltas.keys() - self._NAMES
-        if unknown:
-            raise TypeError(f"unknown chunk store counter(s) {sorted(unknown)}; "
-                            f"the counters are {sorted(self._NAMES)}")
-        with self._lock:
-            for name, delta in deltas.items():
-                self._values[name] += delta
-
-    def snapshot(self) -> ChunkStoreStats:
-        with self._lock:
-            return ChunkStoreStats(**self._values)
 
 
 def check_key(key: object) -> bytes:

@@ -14,7 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.kv.chunk_store import ChunkStore, ChunkStoreStats, MiB, as_bytes, check_key
+from specdec.kv.chunk_stats import ChunkStoreStats
+from specdec.kv.chunk_store import ChunkStore, MiB, as_bytes, check_key
 
 log = logging.getLogger(__name__)
 
