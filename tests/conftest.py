@@ -63,6 +63,16 @@ def small_vocab_models(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="session")
+def long_context_pair(tmp_path_factory):
+    """A draft and target with a 4,096-token context (byte-level): for prompts of thousands of tokens."""
+    root = tmp_path_factory.mktemp("long")
+    tokenizer = tiny.byte_level_tokenizer()
+    target = tiny.build_model(root / "target", tokenizer, "llama", seed=31, context=4096, width=128, layers=3)
+    draft = tiny.build_model(root / "draft", tokenizer, "llama", seed=32, context=4096, layers=1)
+    return str(draft), str(target)
+
+
 @pytest.fixture(scope="module")
 def llama_cluster(models):
     """The llama pair served with the defaults (draft, target and coordinator in this process)."""

@@ -1,15 +1,8 @@
 """Batching: concurrent sessions share forwards, and each session's output is IDENTICAL to what it
 gets alone (float64 tiny models, real gRPC).
 
-End to end, many concurrent generations (mixed prompt lengths, mixed γ, greedy and seeded
-sampling, continued sessions, sessions joining and leaving) are compared token for token with the
-same requests run one at a time on services that never batch. At the service level, the model
-worker is held while calls queue, so they run as one batch for certain: rollbacks of different
-lengths, mixed γ, a cache miss and a bad request in one batch, each compared with the same call
-run alone. The K/V buffers are checked against the DynamicCache path they replace.
-
 Here the e2e tests; the other tiers' are in tests/unit/test_batching.py and
-tests/service/test_batching.py.
+tests/service/test_batching.py. The tier split shares one description: see tests/service/test_batching.py.
 """
 
 from __future__ import annotations

@@ -19,22 +19,12 @@ import grpc
 import pytest
 
 from coordinator.sessions.deadlines import call_deadline_s
-from specdec_cli import tiny
 from tests.cluster import Cluster
 from tests.spies import slowed_model
 
 PROMPT_TOKENS = 3000
 ORDINARY_S = 1.0  # --rpc-timeout-s of these tests
 CHUNK = 64  # the target's --prefill-chunk
-
-
-@pytest.fixture(scope="module")
-def long_context_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("long")
-    tokenizer = tiny.byte_level_tokenizer()
-    target = tiny.build_model(root / "target", tokenizer, "llama", seed=31, context=4096, width=128, layers=3)
-    draft = tiny.build_model(root / "draft", tokenizer, "llama", seed=32, context=4096, layers=1)
-    return str(draft), str(target)
 
 
 def _prompt(tokens: int) -> list[int]:

@@ -1,16 +1,7 @@
 """The draft stops early where it is unsure (`min_confidence`).
 
-Pure proposer on the small-vocabulary draft (float64): greedy, the call stops right after the
-first token whose softmax probability under the draft, computed here from the model itself, is
-below the threshold, and its tokens are the prefix of the full-γ call; sampled, every token but
-the last had q ≥ threshold and the last had q below it (or γ was reached), and the draws keep
-their distribution (chi-square of the second token, which only exists when the first was sure);
-the cache then holds the call's tokens but the last, as after any call. A bad threshold is
-INVALID_ARGUMENT over gRPC. End to end: greedy output equals the target's with early stops
-happening, and a fixed γ is never cut.
-
 Here the e2e tests; the other tiers' are in tests/unit/test_draft_confidence.py and
-tests/service/test_draft_confidence.py.
+tests/service/test_draft_confidence.py. The tier split shares one description: see tests/unit/test_draft_confidence.py.
 """
 
 from __future__ import annotations

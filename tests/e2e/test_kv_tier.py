@@ -1,14 +1,8 @@
 """K/V chunks beyond one session (specdec/runtime/kv_tier.py): the pod's prefix cache and the
 K/V store shared by replicas (--prefix-cache-bytes, --kv-store).
 
-Float64 tiny models, chunks of 16 tokens. A session's chunks restored on another session or
-another replica give the logits a prefill gives, exactly; chunks that are missing, corrupt or
-another model's are never used; a store that is down costs nothing but the prefill; drafts a
-call made ahead carries are never kept. End to end, a session moved to fresh replicas
-continues with the tokens it would have produced where it was (greedy and seeded sampling).
-
 Here the e2e tests; the other tiers' are in tests/unit/test_kv_tier.py and
-tests/service/test_kv_tier.py.
+tests/service/test_kv_tier.py. The tier split shares one description: see tests/service/test_kv_tier.py.
 """
 
 from __future__ import annotations

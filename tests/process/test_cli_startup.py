@@ -10,22 +10,12 @@ import time
 
 import pytest
 
+from tests.redis_server import free_ports
+
 
 def run_cli(*args, timeout=120, env=None, cwd=None):
     return subprocess.run([sys.executable, "-m", "specdec_cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])

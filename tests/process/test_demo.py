@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
+from tests.redis_server import free_ports
 
 
 def run_cli(*args, cwd, timeout=300):
     return subprocess.run([sys.executable, "-m", "specdec_cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ), cwd=cwd)
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def test_the_tiny_pair_shows_speculation_with_the_defaults(tmp_path):

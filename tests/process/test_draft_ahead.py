@@ -3,14 +3,7 @@ on past that round's drafts, its first token a guess of the target's bonus token
 target accepts every draft and its bonus is the guess, the next round verifies the rest with
 no draft call.
 
-Greedy, float64: output equals the target's alone, with the target as its own draft (every
-guess right: most rounds are drafted ahead, and the draft is called about once per two
-rounds) and with an unrelated draft (guesses mostly wrong: the calls made ahead are dropped
-and the draft's cache rolls back on the next call), at adaptive and fixed γ; a fixed γ is
-still exactly γ. Sampled output over all requests, drafting ahead on, follows the target's
-distribution: tests/e2e/test_sampled_sources.py.
-
-Here the process tests; the other tiers' are in tests/e2e/test_draft_ahead.py.
+Here the process tests; the other tiers' are in tests/e2e/test_draft_ahead.py. The tier split shares one description: see tests/e2e/test_draft_ahead.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import threading
 import time
 from concurrent.futures import Future
 
-import pytest
 import torch
 
 from coordinator.sessions.deadlines import call_deadline_s
@@ -23,22 +22,12 @@ from coordinator.sessions.routing import PROBE_TIMEOUT_S
 from draft_service import server as draft_server
 from specdec.config import DraftConfig
 from specdec.runtime.loader import load_model
-from specdec_cli import tiny
 from tests.procs import Coordinator, ServiceProcess, start_together
 from tests.redis_server import free_port
 
 ORDINARY_S = 1.0  # --rpc-timeout-s
 LONG = 3900  # tokens of the long turn
 NEW = 8
-
-
-@pytest.fixture(scope="module")
-def long_context_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("long")
-    tokenizer = tiny.byte_level_tokenizer()
-    target = tiny.build_model(root / "target", tokenizer, "llama", seed=31, context=4096, width=128, layers=3)
-    draft = tiny.build_model(root / "draft", tokenizer, "llama", seed=32, context=4096, layers=1)
-    return str(draft), str(target)
 
 
 def greedy(target_dir: str, history: list[int], new_tokens: int) -> list[int]:

@@ -1,11 +1,6 @@
 """Prompt-lookup hints checked by the draft model (proposer auto).
 
-The draft runs the hints in its first forward and keeps the leading ones it agrees with:
-greedy, exactly its own greedy continuation; sampled, each token still a draw from the q it
-reports (chi-square); its cache afterwards holds exactly the kept tokens; bad hints are
-INVALID_ARGUMENT; end to end, greedy output equals the target's and hints were kept.
-
-Here the service tests; the other tiers' are in tests/e2e/test_draft_hints.py.
+Here the service tests; the other tiers' are in tests/e2e/test_draft_hints.py. The tier split shares one description: see tests/e2e/test_draft_hints.py.
 """
 
 from __future__ import annotations

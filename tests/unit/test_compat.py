@@ -1,12 +1,7 @@
 """Draft/target compatibility is decided on the ids both models can emit, and on their eos ids.
 
-The real-world case: a GPT-2-architecture draft saved with a Qwen2-architecture target's
-tokenizer files. AutoTokenizer picks Qwen2Tokenizer for the target, which adds
-`<|endoftext|>` as an unk token past the model's embedding; the draft's tokenizer lacks it.
-Neither model can emit that id, so the pair is compatible.
-
 Here the unit tests; the other tiers' are in tests/service/test_compat.py and
-tests/e2e/test_compat.py.
+tests/e2e/test_compat.py. The tier split shares one description: see tests/service/test_compat.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The target does not trust the draft's distributions: every bad row is INVALID_ARGUMENT naming it.
 
-Straight against a real target service, then the pure validator on the cases a protobuf
-message can carry.
-
-Here the unit tests; the other tiers' are in tests/e2e/test_draft_q.py.
+Here the unit tests; the other tiers' are in tests/e2e/test_draft_q.py. The tier split shares one description: see tests/e2e/test_draft_q.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The graph engine behind the services (--backend graph), on the CPU: the same code as on CUDA,
 without capture.
 
-Greedy output through the three services equals the HF model alone, token for token (float64
-and float32), for chains and trees, concurrent sessions batched, continuations and resends
-after lost caches; sampled output follows the target's distribution (chi-square); a graph draft
-beside an HF target and the other way round; the pool's LRU bound and its K/V chunks.
-
-Here the unit tests; the other tiers' are in tests/e2e/test_graph_backend.py.
+Here the unit tests; the other tiers' are in tests/e2e/test_graph_backend.py. The tier split shares one description: see tests/e2e/test_graph_backend.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The llama.cpp engine under the torch engine's exactness tests.
 
-Tiny random Llama checkpoints written as float32 GGUF files; every service runs them through
-llama-cpp-python. Greedy speculative output equals greedy target-only output through the same
-engine, token for token, alone and batched; sampled output follows the target's distribution
-(computed from the llama.cpp target's own logits); rollback, eviction and cache misses; and a
-mixed deployment (a torch draft and a llama.cpp target, or the other way round) accepted when
-the vocabularies agree and refused when they do not.
-
 Here the unit tests; the other tiers' are in tests/service/test_llama_backend.py and
-tests/e2e/test_llama_backend.py.
+tests/e2e/test_llama_backend.py. The tier split shares one description: see tests/e2e/test_llama_backend.py.
 """
 
 from __future__ import annotations

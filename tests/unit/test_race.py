@@ -1,13 +1,6 @@
 """Two coordinators racing on one session never produce a history that differs from target-only greedy.
 
-A thief deletes the session's lease in Redis every few milliseconds (a lease that lapsed
-during a long round, a partition), so both coordinators drive the same session on the same
-draft and target services at once. The store's lease and versioned
-appends keep the committed history a single line; the prefix fingerprints keep each service
-from verifying on KV that holds another coordinator's tokens. Every generated token of the
-final history must be the target's greedy choice after the tokens before it.
-
-Here the unit tests; the other tiers' are in tests/e2e/test_race.py.
+Here the unit tests; the other tiers' are in tests/e2e/test_race.py. The tier split shares one description: see tests/e2e/test_race.py.
 """
 
 from __future__ import annotations
