@@ -92,7 +92,9 @@ def test_bad_coordinator_files_are_startup_errors(pki, tmp_path):
 
 
 def test_serve_reports_a_bad_file_without_a_traceback(tmp_path):
-    draft = run_cli("serve", "draft", "--model", "unused", "--tls-cert-file", "/nonexistent/c.pem",
+    model = tmp_path / "model"  # a directory that exists: the model is never loaded, the files are checked first
+    model.mkdir()
+    draft = run_cli("serve", "draft", "--model", str(model), "--tls-cert-file", "/nonexistent/c.pem",
                     "--tls-key-file", "/nonexistent/k.pem")
     assert draft.returncode != 0
     assert "--tls-cert-file /nonexistent/c.pem: no such file" in draft.stderr and "Traceback" not in draft.stderr
