@@ -162,8 +162,8 @@ class ClusterGroup:
         _wait(synced, "every primary's replica to sync", timeout_s)
 
     def primary_of(self, key: str) -> RedisServer:
-        """The server holding `key`'s slot now."""
-        client = self.servers[0].client(socket_timeout=1)
+        """The server holding `key`'s slot now, as a live node sees it (never the one killed)."""
+        client = next(s for s in self.servers if s.proc is not None).client(socket_timeout=1)
         slot = client.cluster("keyslot", key)
         for start, end, primary, *_ in client.cluster("slots"):
             if start <= slot <= end:
